@@ -1,0 +1,62 @@
+"""Classifier-free guidance on Boogu velocities (``x0 - eps``), before the single negation.
+
+Upstream Boogu (``pipeline_boogu.py``) combines its per-condition predictions with plain linear
+extrapolation, no renormalisation (unlike Qwen-Image's ``true_cfg``). The combination is linear,
+so applying it before or after the negation gives the same result; the rule here is: combine Boogu
+velocities, then negate once with :func:`boogu_schedule.to_sde_velocity`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_GUIDANCE_SCALE = 4.0
+"""Upstream's default ``text_guidance_scale``."""
+
+
+def text_cfg(v_pos: torch.Tensor, v_neg: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
+    """Text CFG: ``v_pos + (g - 1) * (v_pos - v_neg)``.
+
+    ``guidance_scale == 1`` returns ``v_pos`` unchanged and accepts ``v_neg=None``: callers skip the
+    negative forward in that case, which halves the rollout cost.
+    """
+    if guidance_scale == 1.0:
+        return v_pos
+    if v_neg is None:
+        raise ValueError(f"text_cfg: guidance_scale={guidance_scale} needs a negative prediction, got None")
+    if v_neg.shape != v_pos.shape:
+        raise ValueError(f"text_cfg: v_pos {tuple(v_pos.shape)} and v_neg {tuple(v_neg.shape)} differ")
+    return v_pos + (guidance_scale - 1.0) * (v_pos - v_neg)
+
+
+def image_guidance(
+    v_cond: torch.Tensor, v_drop_image: torch.Tensor, image_guidance_scale: float
+) -> torch.Tensor:
+    """Edit-mode image guidance alone: ``cond + (ig - 1) * (cond - drop_image)``.
+
+    ``drop_image`` is the prediction with the instruction kept and the reference latents removed
+    (upstream's TI2I branch with ``text_guidance_scale <= 1 < image_guidance_scale``).
+    """
+    if image_guidance_scale == 1.0:
+        return v_cond
+    return v_cond + (image_guidance_scale - 1.0) * (v_cond - v_drop_image)
+
+
+def double_guidance(
+    v_cond: torch.Tensor,
+    v_drop_text: torch.Tensor,
+    v_drop_all: torch.Tensor,
+    text_guidance_scale: float,
+    image_guidance_scale: float,
+) -> torch.Tensor:
+    """Upstream's TI2I double guidance (``tg > 1`` and ``ig > 1``).
+
+    ``cond + (tg - 1) * (cond - drop_text) + (ig - 1) * (drop_text - drop_all)``, where
+    ``drop_text`` keeps the reference latents with the negative instruction and ``drop_all`` removes
+    both (boogu-model spec §9.8). Upstream's optional empty-instruction term is not modelled.
+    """
+    return (
+        v_cond
+        + (text_guidance_scale - 1.0) * (v_cond - v_drop_text)
+        + (image_guidance_scale - 1.0) * (v_drop_text - v_drop_all)
+    )
