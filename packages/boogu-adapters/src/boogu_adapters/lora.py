@@ -1,0 +1,129 @@
+"""LoRA on the Boogu transformer: attach, read, load, fingerprint, and switch off for the reference.
+
+Adapters are injected in place through peft (diffusers' ``PeftAdapterMixin.add_adapter`` does the
+same), so the trainer and the local rollout engine share one module and the state-dict keys are
+the plain module paths (``...attn.to_q.lora_A.weight``) that diffusers' ``load_lora_adapter`` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from boogu_adapters.model import LORA_TARGET_MODULES
+
+ADAPTER_NAME = "default"
+
+
+class WeightSyncError(RuntimeError):
+    """The LoRA weights sent to a rollout engine do not match what it expects or what it applied."""
+
+
+def add_lora(
+    transformer: torch.nn.Module,
+    *,
+    rank: int = 64,
+    alpha: float = 128,
+    target_modules: Sequence[str] = LORA_TARGET_MODULES,
+    init_lora_weights: bool | str = "gaussian",
+    seed: int | None = 0,
+) -> torch.nn.Module:
+    """Inject LoRA adapters in place; only LoRA parameters stay trainable. Returns the module.
+
+    With ``init_lora_weights="gaussian"`` (the reference recipe) ``lora_A`` is random and ``lora_B`` zero,
+    so the adapted model starts exactly at the base model. ``seed`` makes the ``lora_A`` draw repeatable.
+    """
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        init_lora_weights=init_lora_weights,
+        bias="none",
+    )
+    devices = [p.device for p in transformer.parameters()][:1]
+    fork = (
+        torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"])
+        if seed is not None
+        else contextlib.nullcontext()
+    )
+    with fork:
+        if seed is not None:
+            torch.manual_seed(seed)
+        inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
+    for name, param in transformer.named_parameters():
+        param.requires_grad_("lora_" in name)
+    if not any(p.requires_grad for p in transformer.parameters()):
+        raise ValueError(f"add_lora: no module matched target_modules={list(target_modules)}")
+    return transformer
+
+
+def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA tensors, keyed like peft/diffusers LoRA files (no adapter name)."""
+    return get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+
+
+def load_lora_state_dict(transformer: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load LoRA tensors, refusing any missing or unexpected key (never a silent partial load)."""
+    expected = set(lora_state_dict(transformer))
+    check_lora_keys(expected, set(state))
+    result = set_peft_model_state_dict(transformer, dict(state), adapter_name=ADAPTER_NAME)
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise WeightSyncError(f"LoRA load: {len(unexpected)} unexpected keys, e.g. {sorted(unexpected)[:3]}")
+
+
+def check_lora_keys(expected: set[str], got: set[str]) -> None:
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        raise WeightSyncError(
+            f"LoRA keys do not match the module: {len(missing)} missing (e.g. {missing[:3]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        )
+
+
+def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """A cheap, order-independent checksum of LoRA tensors (sums in float64 per key, hashed)."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach()
+        stats = torch.stack([t.double().sum(), t.double().abs().sum(), (t.double() ** 2).sum()]).cpu()
+        h.update(key.encode())
+        h.update(stats.numpy().tobytes())
+        h.update(str(tuple(t.shape)).encode())
+    return h.hexdigest()[:16]
+
+
+def _tuner_layers(module: torch.nn.Module) -> list[BaseTunerLayer]:
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run the base (reference) model: every LoRA layer bypassed, restored on exit.
+
+    Works for a ``peft.PeftModel`` (its ``disable_adapter``) and for adapters injected in place.
+    """
+    if hasattr(module, "disable_adapter") and hasattr(module, "base_model"):
+        with module.disable_adapter():
+            yield module
+        return
+    layers = _tuner_layers(module)
+    if not layers:
+        raise ValueError("adapters_disabled: the module has no LoRA layers")
+    was_disabled = [layer.disable_adapters for layer in layers]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield module
+    finally:
+        for layer, disabled in zip(layers, was_disabled):
+            layer.enable_adapters(not disabled)
+            # enable_adapters(True) re-marks adapter weights trainable; keep the base frozen as it was.
+        for name, param in module.named_parameters():
+            if "lora_" not in name:
+                param.requires_grad_(False)

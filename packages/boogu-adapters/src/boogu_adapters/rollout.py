@@ -1,0 +1,360 @@
+"""Rollout engines: turn prompts into trajectories with per-step log-probabilities.
+
+``LocalRolloutEngine`` runs the Boogu denoising loop in-process with the very module the trainer
+trains, on CPU or GPU. Every step goes through :func:`boogu_adapters.step.boogu_velocity` and
+``boogu_schedule.sde_step``, the same functions the training adapter uses, so the on-policy ratio
+is exactly 1.
+
+What it does that the reference integration does not: each prompt (and its negative) is encoded
+once per group, not once per sample; the n samples of a group are batched; positive and negative
+forwards run as one batched forward; reference latents are encoded once per prompt and shared by
+the group; one SDE window per group by default.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from boogu_adapters.lora import (
+    WeightSyncError,
+    check_lora_keys,
+    load_lora_state_dict,
+    lora_fingerprint,
+    lora_state_dict,
+)
+from boogu_adapters.step import CfgMode, boogu_velocity, forwards_per_step
+from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
+from boogu_data import PromptRecord
+from boogu_schedule import BooguScheduleConfig, Sampler, boogu_sigmas, plan_windows, sde_step, to_sde_velocity
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout backend."""
+
+    def generate(self, request: RolloutRequest) -> Trajectory: ...
+
+    def sync_weights(self, lora_state: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    @property
+    def weights_version(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class PromptEncoder(Protocol):
+    """Instructions (and optional reference images for the VLM) to padded instruction features."""
+
+    def __call__(
+        self, instructions: Sequence[str], images: Sequence[bytes | None] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(hidden (P, L, D), mask (P, L))``, right-padded, one row per instruction."""
+        ...
+
+
+class ImageCodec(Protocol):
+    """The VAE side: reference images to scaled latents, final latents to uint8 images."""
+
+    def encode_references(self, images: Sequence[bytes], generator: torch.Generator) -> list[torch.Tensor]:
+        """Per image a (C, h, w) scaled latent ``(z - shift) * scale``, sampled with ``generator``."""
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, h, w) float32 scaled latents to (B, 3, H, W) uint8 images."""
+        ...
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]: ...
+
+    def reference_size(self, image: bytes) -> tuple[int, int]:
+        """The output (height, width) in pixels an edit row's reference dictates (spec §9.6)."""
+        ...
+
+
+@dataclass
+class EngineStats:
+    """Counters and wall times (seconds) since the engine was built."""
+
+    prompts_encoded: int = 0
+    encoder_calls: int = 0
+    reference_images_encoded: int = 0
+    transformer_calls: int = 0
+    transformer_sample_forwards: int = 0
+    images_decoded: int = 0
+    samples: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "seconds"}
+        d.update({f"time/{k}": v for k, v in self.seconds.items()})
+        return d
+
+
+class _Timer:
+    def __init__(self, stats: EngineStats, key: str, device: torch.device):
+        self.stats, self.key, self.device = stats, key, device
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.seconds[self.key] += time.perf_counter() - self.t0
+
+
+def _dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """Unique values in first-seen order, and each input's index into them."""
+    unique: list[Any] = []
+    where: dict[Any, int] = {}
+    index = []
+    for v in values:
+        if v not in where:
+            where[v] = len(unique)
+            unique.append(v)
+        index.append(where[v])
+    return unique, index
+
+
+class LocalRolloutEngine:
+    """In-process rollouts with the trainer's own transformer module.
+
+    Args:
+        transformer: the Boogu transformer (LoRA-injected or not); shared with the trainer.
+        encode_prompts: a :class:`PromptEncoder`.
+        codec: an :class:`ImageCodec` (VAE), or None for latent-only rollouts (no edit, no images).
+        schedule_config: the checkpoint's scheduler config (read raw, never through diffusers).
+        freqs_cis: the RoPE tables (``get_freqs_cis(axes_dim_rope, axes_lens, 10000)``).
+        cfg_mode: ``"batched"`` (one forward for positive and negative) or ``"sequential"``.
+        latent_channels: the transformer's ``in_channels``.
+    """
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        *,
+        encode_prompts: PromptEncoder,
+        codec: ImageCodec | None,
+        schedule_config: BooguScheduleConfig,
+        freqs_cis: Sequence[torch.Tensor],
+        latent_channels: int = 16,
+        cfg_mode: CfgMode = "batched",
+        device: torch.device | str | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+    ):
+        self.transformer = transformer
+        self.encode_prompts = encode_prompts
+        self.codec = codec
+        self.schedule_config = schedule_config
+        self.freqs_cis = list(freqs_cis)
+        self.latent_channels = latent_channels
+        self.cfg_mode = cfg_mode
+        self.device = torch.device(device) if device is not None else next(transformer.parameters()).device
+        self.on_step = on_step
+        self.stats = EngineStats()
+        self._version = 0
+        self.sync_log: list[tuple[int, str]] = []
+
+    # ---- weights -------------------------------------------------------------------------------
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def sync_weights(self, lora_state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Apply (or, when the module is shared with the trainer, verify) the LoRA weights.
+
+        The received key set must equal the module's LoRA key set, and what the module holds after
+        the sync must fingerprint equal to what was sent: a mismatch raises, never a silent no-op.
+        """
+        current = lora_state_dict(self.transformer)
+        check_lora_keys(set(current), set(lora_state))
+        sent = lora_fingerprint(lora_state)
+        shared = all(current[k].data_ptr() == lora_state[k].data_ptr() for k in current)
+        if not shared:
+            load_lora_state_dict(self.transformer, lora_state)
+        applied = lora_fingerprint(lora_state_dict(self.transformer))
+        if applied != sent:
+            raise WeightSyncError(f"sync v{version}: engine holds {applied}, trainer sent {sent}")
+        if version <= self._version and self.sync_log:
+            raise WeightSyncError(f"sync: version {version} is not newer than {self._version}")
+        self._version = version
+        self.sync_log.append((version, applied))
+
+    def close(self) -> None:
+        self.transformer = None  # type: ignore[assignment]
+
+    # ---- encoding ------------------------------------------------------------------------------
+    def _timer(self, key: str) -> _Timer:
+        return _Timer(self.stats, key, self.device)
+
+    def encode(
+        self,
+        records: Sequence[PromptRecord],
+        group_size: int,
+        guidance_scale: float,
+        generator: torch.Generator,
+    ) -> Conditioning:
+        """Conditioning for ``len(records) * group_size`` samples, encoding each unique input once."""
+        with self._timer("encode"):
+            keys = [(r.instruction, r.ref_image) for r in records]
+            unique, idx = _dedupe(keys)
+            hidden, mask = self.encode_prompts([k[0] for k in unique], [k[1] for k in unique])
+            self.stats.encoder_calls += 1
+            self.stats.prompts_encoded += len(unique)
+            sample_rows = torch.tensor(idx, device=hidden.device).repeat_interleave(group_size)
+            neg_hidden = neg_mask = None
+            if guidance_scale != 1.0:
+                # Negatives are encoded text-only (upstream use_input_images_4_neg_instruct=False).
+                negs, neg_idx = _dedupe([r.negative for r in records])
+                nh, nm = self.encode_prompts(negs, None)
+                self.stats.encoder_calls += 1
+                self.stats.prompts_encoded += len(negs)
+                rows = torch.tensor(neg_idx, device=nh.device).repeat_interleave(group_size)
+                neg_hidden, neg_mask = nh[rows], nm[rows]
+            refs = None
+            if any(r.ref_image is not None for r in records):
+                if self.codec is None:
+                    raise ValueError("edit rows need a VAE codec to encode their reference images")
+                images, img_idx = _dedupe([r.ref_image for r in records if r.ref_image is not None])
+                latents = self.codec.encode_references(images, generator)
+                self.stats.reference_images_encoded += len(images)
+                per_record, j = [], 0
+                for r in records:
+                    per_record.append(None if r.ref_image is None else latents[img_idx[j]].to(self.device))
+                    j += r.ref_image is not None
+                refs = tuple(ref for ref in per_record for _ in range(group_size))
+        return Conditioning(
+            hidden_states=hidden[sample_rows],
+            attention_mask=mask[sample_rows],
+            negative_hidden_states=neg_hidden,
+            negative_attention_mask=neg_mask,
+            ref_latents=refs,
+        )
+
+    def _output_size(self, request: RolloutRequest) -> tuple[int, int]:
+        sizes = (
+            {self.codec.reference_size(r.ref_image) for r in request.records if r.ref_image is not None}
+            if self.codec
+            else set()
+        )
+        if len(sizes) > 1:
+            raise ValueError(f"edit rows of one request must share a reference size, got {sorted(sizes)}")
+        return sizes.pop() if sizes else (request.height, request.width)
+
+    # ---- the denoising loop --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, request: RolloutRequest) -> Trajectory:
+        if self.transformer is None:
+            raise RuntimeError("the engine is closed")
+        n, steps = request.group_size, request.num_steps
+        num_prompts, batch = len(request.records), request.batch_size
+        if num_prompts == 0:
+            raise ValueError("RolloutRequest has no records")
+        generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        cond = self.encode(request.records, n, request.guidance_scale, generator)
+
+        height, width = self._output_size(request)
+        h, w = self.codec.latent_size(height, width) if self.codec else (height // 8, width // 8)
+        # Static schedules ignore num_tokens; dynamic ones use the latent area (latent pixels).
+        sigmas = boogu_sigmas(self.schedule_config, steps, num_tokens=h * w).to(self.device)
+        windows = plan_windows(
+            request.window, steps, request.noise_level, num_prompts, n, generator, request.iteration
+        )
+        sizes = {win.size for win in windows}
+        if len(sizes) != 1:
+            raise ValueError(f"all windows of a request must have one size, got {sorted(sizes)}")
+        width_w = sizes.pop()
+        starts = torch.tensor([win.start for win in windows], device=self.device)
+
+        # The running latent is float32 from the first draw (the float32 trajectory rule).
+        x = torch.randn(
+            batch, self.latent_channels, h, w, generator=generator, dtype=torch.float32, device=self.device
+        )
+        latents = x.new_zeros(batch, width_w + 1, *x.shape[1:])
+        means = x.new_zeros(batch, width_w, *x.shape[1:])
+        log_probs = x.new_zeros(batch, width_w)
+        stds = x.new_zeros(batch, width_w)
+        step_index = starts[:, None] + torch.arange(width_w, device=self.device)[None, :]
+
+        for i in range(steps):
+            sigma = sigmas[i].expand(batch).contiguous()
+            sigma_next = sigmas[i + 1].expand(batch).contiguous()
+            with self._timer("transformer"):
+                v_boogu = boogu_velocity(
+                    self.transformer,
+                    x,
+                    sigma,
+                    cond,
+                    request.guidance_scale,
+                    self.freqs_cis,
+                    cfg_mode=self.cfg_mode,
+                )
+            self.stats.transformer_calls += (
+                1 if (request.guidance_scale == 1.0 or self.cfg_mode == "batched") else 2
+            )
+            self.stats.transformer_sample_forwards += forwards_per_step(batch, request.guidance_scale)
+            velocity = to_sde_velocity(v_boogu)  # negate once, after CFG
+
+            inside = (starts <= i) & (i < starts + width_w)
+            entering = starts == i
+            if entering.any():
+                latents[entering, 0] = x[entering]  # the window's entry state, before its first step
+            x_next = x.clone()
+            outside = ~inside
+            if outside.any():  # deterministic Euler steps outside the window
+                x_next[outside] = sde_step(
+                    Sampler.ODE, x[outside], velocity[outside], sigma[outside], sigma_next[outside], 0.0
+                ).prev_sample
+            if inside.any():
+                rows = inside.nonzero().flatten()
+                step = sde_step(
+                    request.sampler,
+                    x[rows],
+                    velocity[rows],
+                    sigma[rows],
+                    sigma_next[rows],
+                    request.noise_level,
+                    generator,
+                )
+                k = i - starts[rows]
+                x_next[rows] = step.prev_sample
+                latents[rows, k + 1] = step.prev_sample
+                means[rows, k] = step.mean
+                log_probs[rows, k] = step.log_prob
+                stds[rows, k] = step.std.flatten()
+            x = x_next
+            if self.on_step is not None:
+                self.on_step(i, steps)
+
+        images = None
+        if request.decode:
+            if self.codec is None:
+                raise ValueError("decode=True needs a VAE codec")
+            with self._timer("decode"):
+                images = self.codec.decode(x)
+            self.stats.images_decoded += batch
+        self.stats.samples += batch
+        return Trajectory(
+            latents=latents,
+            step_index=step_index.long(),
+            sigmas=sigmas,
+            log_prob=log_probs,
+            mean=means,
+            std=stds,
+            window=tuple((win.start, win.end) for win in windows),
+            group_id=torch.arange(num_prompts, device=self.device).repeat_interleave(n),
+            conditioning=cond,
+            final_latents=x,
+            images=images,
+            nfe=forwards_per_step(batch, request.guidance_scale) * steps,
+            sampler=request.sampler,
+            noise_level=request.noise_level,
+            guidance_scale=request.guidance_scale,
+            weights_version=self._version,
+            cfg_mode=self.cfg_mode,
+        )

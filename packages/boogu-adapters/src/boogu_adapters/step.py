@@ -1,0 +1,142 @@
+"""The one per-step function that the rollout and the training adapter both call.
+
+Rollout and training must compute the same numbers for the same weights, or the importance ratio
+is not 1 on-policy and the clip fires on noise. Both go through :func:`transition`:
+
+1. the transformer gets the latent in its own dtype and Boogu time ``t = 1 - sigma``;
+2. text CFG combines the Boogu velocities (``x0 - eps``) in float32;
+3. the result is negated exactly once (``eps - x0``);
+4. ``boogu_schedule.sde_step`` runs in float32 on the float32 latent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from boogu_adapters.types import Conditioning
+from boogu_schedule import Sampler, SdeStep, boogu_time, sde_step, text_cfg, to_sde_velocity
+
+CfgMode = Literal["batched", "sequential"]
+
+
+def model_dtype(module: torch.nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        return p.dtype
+    return torch.float32
+
+
+def pad_features(hidden: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (B, L, D) features and their (B, L) mask with zeros to ``length`` tokens."""
+    extra = length - hidden.shape[1]
+    if extra < 0:
+        raise ValueError(f"pad_features: cannot pad {hidden.shape[1]} tokens down to {length}")
+    if extra == 0:
+        return hidden, mask
+    hidden = torch.cat([hidden, hidden.new_zeros(hidden.shape[0], extra, hidden.shape[2])], dim=1)
+    mask = torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)
+    return hidden, mask
+
+
+def _ref_inputs(refs: Sequence[torch.Tensor | None] | None, dtype: torch.dtype) -> list | None:
+    # Upstream's ``ref_image_hidden_states``: per sample, a list of (C, h, w) latents or None.
+    if refs is None or all(r is None for r in refs):
+        return None
+    return [None if r is None else [r.to(dtype)] for r in refs]
+
+
+def _forward(transformer, x, t, hidden, mask, refs, freqs_cis) -> torch.Tensor:
+    out = transformer(x, t, hidden, freqs_cis, mask, ref_image_hidden_states=refs, return_dict=False)
+    if isinstance(out, tuple):  # canonical classes that return tuples
+        out = out[0]
+    return getattr(out, "sample", out)
+
+
+def boogu_velocity(
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: Conditioning,
+    guidance_scale: float,
+    freqs_cis: Sequence[torch.Tensor],
+    *,
+    cfg_mode: CfgMode = "batched",
+) -> torch.Tensor:
+    """Guided Boogu velocity ``x0 - eps`` as float32, before negation.
+
+    Args:
+        latents: (B, C, h, w) float32 running latent.
+        sigma: (B,) float32 noise levels; the transformer receives ``t = 1 - sigma``.
+        cfg_mode: ``"batched"`` runs positive and negative in one forward of 2B samples (equal to the
+            sequential result within float tolerance, faster); ``"sequential"`` runs two forwards.
+    """
+    if latents.dtype != torch.float32 or sigma.dtype != torch.float32:
+        raise TypeError(
+            f"boogu_velocity: latents and sigma must be float32, got {latents.dtype}, {sigma.dtype}"
+        )
+    dtype = model_dtype(transformer)
+    x = latents.to(dtype)
+    t = boogu_time(sigma).to(dtype)  # (B,) Boogu time: 0 = noise, 1 = data
+    hidden = cond.hidden_states.to(dtype)
+    refs = _ref_inputs(cond.ref_latents, dtype)
+    use_cfg = guidance_scale != 1.0
+    if use_cfg and cond.negative_hidden_states is None:
+        raise ValueError(
+            f"guidance_scale={guidance_scale} needs negative prompt features; the conditioning has none"
+        )
+
+    if not use_cfg:
+        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis)
+        return v_pos.float()
+
+    neg_hidden = cond.negative_hidden_states.to(dtype)
+    neg_mask = cond.negative_attention_mask
+    # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
+    if cfg_mode == "batched":
+        length = max(hidden.shape[1], neg_hidden.shape[1])
+        h_pos, m_pos = pad_features(hidden, cond.attention_mask, length)
+        h_neg, m_neg = pad_features(neg_hidden, neg_mask, length)
+        both = _forward(
+            transformer,
+            torch.cat([x, x]),
+            torch.cat([t, t]),
+            torch.cat([h_pos, h_neg]),
+            torch.cat([m_pos, m_neg]),
+            None if refs is None else refs + refs,
+            freqs_cis,
+        )
+        v_pos, v_neg = both.float().chunk(2)
+    elif cfg_mode == "sequential":
+        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis).float()
+        v_neg = _forward(transformer, x, t, neg_hidden, neg_mask, refs, freqs_cis).float()
+    else:
+        raise ValueError(f"cfg_mode must be 'batched' or 'sequential', got {cfg_mode!r}")
+    return text_cfg(v_pos, v_neg, guidance_scale)
+
+
+def transition(
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    cond: Conditioning,
+    *,
+    guidance_scale: float,
+    freqs_cis: Sequence[torch.Tensor],
+    sampler: Sampler | str,
+    noise_level: float,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    cfg_mode: CfgMode = "batched",
+) -> SdeStep:
+    """One denoising step ``sigma -> sigma_next`` (both (B,) float32) through the model and the SDE."""
+    v_boogu = boogu_velocity(transformer, latents, sigma, cond, guidance_scale, freqs_cis, cfg_mode=cfg_mode)
+    velocity = to_sde_velocity(v_boogu)  # the one negation: Boogu's x0 - eps -> eps - x0
+    return sde_step(sampler, latents, velocity, sigma, sigma_next, noise_level, generator, prev_sample)
+
+
+def forwards_per_step(batch_size: int, guidance_scale: float) -> int:
+    """Transformer sample-forwards one step costs."""
+    return batch_size * (1 if guidance_scale == 1.0 else 2)

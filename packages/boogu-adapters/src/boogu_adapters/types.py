@@ -1,0 +1,178 @@
+"""What flows between the rollout engine, the rewards and the trainer.
+
+Shapes use ``B`` for samples in a request (prompts x group size, group-major), ``W`` for the window
+size, ``N`` for denoising steps, ``C, h, w`` for latent channels and size, ``L`` for prompt tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from boogu_data import PromptRecord
+from boogu_schedule import Sampler, WindowPlan
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One batch of prompts to roll out, ``group_size`` samples each."""
+
+    records: Sequence[PromptRecord]
+    """The prompts (with reference images for edit rows)."""
+    group_size: int = 4
+    """n: samples per prompt; a group never spans requests."""
+    num_steps: int = 10
+    """N: denoising steps."""
+    guidance_scale: float = 4.0
+    """Text CFG scale; 1.0 skips the negative forward (half the rollout cost)."""
+    sampler: Sampler = Sampler.FLOW_SDE
+    """Transition kernel inside the window."""
+    noise_level: float = 0.7
+    """eta inside the window (0 outside)."""
+    window: WindowPlan = field(default_factory=lambda: WindowPlan(kind="random", size=2, window_range=(0, 5)))
+    """How SDE windows are chosen (default: one per group, drawn from the request's seed)."""
+    height: int = 1024
+    """Output height in pixels (edit rows follow their reference image instead)."""
+    width: int = 1024
+    """Output width in pixels."""
+    seed: int = 0
+    """Seeds the initial noise, the windows, the SDE noise and reference-latent sampling."""
+    iteration: int = 0
+    """Training step, for progressive windows."""
+    decode: bool = True
+    """Decode the final latents to uint8 images (rewards need them)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sampler", Sampler(self.sampler))
+        if self.group_size < 1:
+            raise ValueError(f"RolloutRequest.group_size must be >= 1, got {self.group_size}")
+        if self.num_steps < 1:
+            raise ValueError(f"RolloutRequest.num_steps must be >= 1, got {self.num_steps}")
+        if self.guidance_scale < 1.0:
+            raise ValueError(f"RolloutRequest.guidance_scale must be >= 1, got {self.guidance_scale}")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value < 16 or value % 16:
+                raise ValueError(f"RolloutRequest.{name} must be a positive multiple of 16, got {value}")
+        if self.height * self.width > 2048 * 2048:
+            raise ValueError(f"RolloutRequest: {self.height}x{self.width} exceeds the 2048^2 pixel cap")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.records) * self.group_size
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Transformer inputs that stay fixed across the denoising steps of a batch.
+
+    Prompt features are encoded once per unique prompt and gathered per sample by index, so a group
+    of n samples shares one encoding.
+    """
+
+    hidden_states: torch.Tensor
+    """(B, L, D) positive instruction features in the model dtype, right-padded."""
+    attention_mask: torch.Tensor
+    """(B, L) 1 for valid tokens, valid first."""
+    negative_hidden_states: torch.Tensor | None = None
+    """(B, L', D) negative features, or None when guidance is off."""
+    negative_attention_mask: torch.Tensor | None = None
+    """(B, L')."""
+    ref_latents: tuple[torch.Tensor | None, ...] | None = None
+    """Edit only: per sample, (C, h', w') scaled VAE latents of the reference image, or None."""
+
+    def __post_init__(self) -> None:
+        b = self.hidden_states.shape[0]
+        if self.attention_mask.shape[0] != b:
+            raise ValueError("Conditioning: attention_mask batch differs from hidden_states")
+        if (self.negative_hidden_states is None) != (self.negative_attention_mask is None):
+            raise ValueError("Conditioning: negative features and mask must be given together")
+        if self.ref_latents is not None:
+            if len(self.ref_latents) != b:
+                raise ValueError(f"Conditioning: {len(self.ref_latents)} reference entries for batch {b}")
+            for i, ref in enumerate(self.ref_latents):
+                if ref is not None and ref.dim() != 3:
+                    raise ValueError(
+                        f"Conditioning: reference latent {i} must be (C, h, w), got {tuple(ref.shape)}"
+                    )
+
+    @property
+    def batch_size(self) -> int:
+        return self.hidden_states.shape[0]
+
+    @property
+    def is_edit(self) -> bool:
+        return self.ref_latents is not None and any(r is not None for r in self.ref_latents)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> Conditioning:
+        """The rows ``index`` (a mini-batch), sharing storage where possible."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        refs = None if self.ref_latents is None else tuple(self.ref_latents[i] for i in idx.tolist())
+        neg = self.negative_hidden_states
+        return Conditioning(
+            hidden_states=self.hidden_states[idx],
+            attention_mask=self.attention_mask[idx],
+            negative_hidden_states=None if neg is None else neg[idx],
+            negative_attention_mask=None if neg is None else self.negative_attention_mask[idx],
+            ref_latents=refs,
+        )
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A rolled-out batch: what training needs to recompute every window step exactly.
+
+    The trajectory carries the step index and the schedule, never a float timestep to be matched
+    again: step ``k`` of sample ``b`` goes ``sigmas[step_index[b, k]] -> sigmas[step_index[b, k] + 1]``
+    from ``latents[b, k]`` to ``latents[b, k + 1]``.
+    """
+
+    latents: torch.Tensor
+    """(B, W+1, C, h, w) float32: the window's entry state, then each window step's output."""
+    step_index: torch.Tensor
+    """(B, W) int64: the denoising step of each window position."""
+    sigmas: torch.Tensor
+    """(N+1,) float32: the schedule used (descending, last 0)."""
+    log_prob: torch.Tensor
+    """(B, W) float32: log-density of each window transition under the rollout policy."""
+    mean: torch.Tensor
+    """(B, W, C, h, w) float32: each window transition's mean."""
+    std: torch.Tensor
+    """(B, W) float32: each window transition's total std."""
+    window: tuple[tuple[int, int], ...]
+    """Per sample, the window ``(start, end)``."""
+    group_id: torch.Tensor
+    """(B,) int64: which prompt (group) of the request each sample belongs to."""
+    conditioning: Conditioning
+    """The prompt-embedding handles (and edit reference latents, sampled once and shipped)."""
+    final_latents: torch.Tensor
+    """(B, C, h, w) float32: the last step's output."""
+    images: torch.Tensor | None
+    """(B, 3, H, W) uint8, or None when the request did not decode."""
+    nfe: int
+    """Transformer sample-forwards spent on this batch (B * N, or B * 2N with CFG)."""
+    sampler: Sampler
+    """The window's transition kernel."""
+    noise_level: float
+    """eta inside the window."""
+    guidance_scale: float
+    """The text CFG scale the rollout used (training must use the same)."""
+    weights_version: int = 0
+    """The engine's weights version when this batch was generated."""
+    cfg_mode: Literal["batched", "sequential"] = "batched"
+    """How positive and negative forwards were run (training repeats it, for bitwise log-probs)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def window_size(self) -> int:
+        return self.step_index.shape[1]
+
+    @property
+    def nfe_per_image(self) -> float:
+        return self.nfe / max(self.batch_size, 1)

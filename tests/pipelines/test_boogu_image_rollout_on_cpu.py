@@ -1,0 +1,127 @@
+"""Rollout side: what the local engine hands to the transformer and the step function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boogu_adapters.rollout import LocalRolloutEngine
+from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.types import RolloutRequest
+from boogu_schedule import BooguScheduleConfig, WindowPlan, boogu_sigmas
+from tests.pipelines.conftest import RecordingTransformer, fake_encoder, record
+
+RELEASED = BooguScheduleConfig.released()
+
+
+def _run(model, *, guidance=4.0, steps=6, window=None, cfg_mode="batched", group_size=1):
+    engine = LocalRolloutEngine(
+        model,
+        encode_prompts=fake_encoder,
+        codec=None,
+        schedule_config=RELEASED,
+        freqs_cis=[],
+        latent_channels=4,
+        cfg_mode=cfg_mode,
+    )
+    request = RolloutRequest(
+        [record()],
+        group_size=group_size,
+        num_steps=steps,
+        guidance_scale=guidance,
+        height=16,
+        width=16,
+        decode=False,
+        window=window or WindowPlan(kind="fixed", size=3, start=1),
+    )
+    return engine, engine.generate(request)
+
+
+def test_a_prediction_of_three_reaches_the_step_as_minus_three(step_recorder):
+    _run(RecordingTransformer(pos_value=3.0), guidance=1.0)
+    for call in step_recorder.calls:
+        assert torch.equal(call["velocity"], torch.full_like(call["velocity"], -3.0))
+        assert call["velocity"].dtype == torch.float32 and call["sample"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("cfg_mode", ["batched", "sequential"])
+def test_cfg_before_negation_with_two_forwards(step_recorder, cfg_mode):
+    model = RecordingTransformer(pos_value=2.0, neg_value=1.0)
+    _, traj = _run(model, cfg_mode=cfg_mode)
+    for call in step_recorder.calls:
+        assert torch.equal(call["velocity"], torch.full_like(call["velocity"], -5.0))
+    forwards = sum(c["batch"] for c in model.calls)
+    assert forwards == 2 * 6 == traj.nfe  # a positive and a negative forward per step for one sample
+    assert len(model.calls) == (6 if cfg_mode == "batched" else 12)
+
+
+def test_one_forward_per_step_when_guidance_is_one():
+    model = RecordingTransformer()
+    _, traj = _run(model, guidance=1.0)
+    assert len(model.calls) == 6 and all(c["marker"].gt(0).all() for c in model.calls)
+    assert traj.nfe == 6 and traj.conditioning.negative_hidden_states is None
+
+
+def test_transformer_gets_boogu_time_while_the_step_gets_sigma(step_recorder):
+    model = RecordingTransformer()
+    _run(model, guidance=1.0)
+    sigmas = boogu_sigmas(RELEASED, 6)
+    for i, call in enumerate(model.calls):
+        assert torch.equal(call["timestep"], (1.0 - sigmas[i]).expand(1))
+    assert [float(c["sigma"][0]) for c in step_recorder.calls] == sigmas[:-1].tolist()
+
+
+def test_float32_stepping_under_a_bf16_model(step_recorder):
+    model = RecordingTransformer(dtype=torch.bfloat16)
+    _, traj = _run(model)
+    assert all(c["hidden_dtype"] == torch.bfloat16 for c in model.calls)
+    for call in step_recorder.calls:
+        assert call["sample"].dtype == call["velocity"].dtype == torch.float32
+    for t in (traj.latents, traj.log_prob, traj.mean, traj.std, traj.final_latents):
+        assert t.dtype == torch.float32
+
+
+def test_window_one_to_four_over_six_steps_is_collected_contiguously(step_recorder):
+    model = RecordingTransformer()
+    _, traj = _run(model, window=WindowPlan(kind="fixed", size=3, start=1), guidance=1.0)
+    assert traj.latents.shape[:2] == (1, 4) and traj.log_prob.shape == (1, 3)
+    assert traj.step_index.tolist() == [[1, 2, 3]] and traj.window == ((1, 4),)
+    stepped = {i: c for i, c in enumerate(step_recorder.calls)}
+    # entry k is the input of window step k and entry k+1 its output
+    for k, i in enumerate(range(1, 4)):
+        assert torch.equal(traj.latents[0, k], stepped[i]["sample"][0])
+    assert torch.equal(traj.latents[0, 3], stepped[4]["sample"][0])
+    assert bool(torch.isfinite(traj.log_prob).all())
+
+
+def test_noise_only_inside_the_window(step_recorder):
+    _run(RecordingTransformer(), window=WindowPlan(kind="fixed", size=3, start=1), guidance=1.0)
+    levels = [(c["sampler"], c["noise_level"]) for c in step_recorder.calls]
+    assert levels == [
+        ("ode", 0.0),
+        ("flow_sde", 0.7),
+        ("flow_sde", 0.7),
+        ("flow_sde", 0.7),
+        ("ode", 0.0),
+        ("ode", 0.0),
+    ]
+
+
+def test_the_last_step_is_never_stochastic():
+    with pytest.raises(ValueError, match="last step"):
+        _run(RecordingTransformer(), window=WindowPlan(kind="fixed", size=2, start=4))
+
+
+def test_degenerate_window_reports_no_trajectory():
+    model = RecordingTransformer()
+    _, traj = _run(model, steps=1, window=WindowPlan(size=None), guidance=1.0)
+    assert traj.window_size == 0 and traj.log_prob.shape == (1, 0)
+    with pytest.raises(ValueError, match="empty SDE window"):
+        TrainingAdapter([]).step_stats(model, traj, 0)
+
+
+def test_group_shares_one_encoding_and_one_window():
+    model = RecordingTransformer()
+    engine, traj = _run(model, group_size=4, window=WindowPlan(kind="random", size=2, window_range=(0, 5)))
+    assert engine.stats.prompts_encoded == 2  # the prompt and its negative, once for 4 samples
+    assert len(set(traj.window)) == 1
