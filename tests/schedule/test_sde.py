@@ -209,3 +209,15 @@ def test_sampler_accepts_enum_or_string_and_rejects_unknown():
     )
     with pytest.raises(ValueError, match="euler"):
         sde_step("euler", x, x, 0.5, 0.4, 0.0)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@given(xs=same_shape_tensors(2), sig=sigma_pairs(), eta=noise_levels, seed=seeds)
+def test_given_noise_equals_drawing_it_from_the_generator(sampler, xs, sig, eta, seed):
+    x, v = xs
+    drawn = sde_step(sampler, x, v, *sig, eta, generator=torch.Generator().manual_seed(seed))
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+    given_noise = sde_step(sampler, x, v, *sig, eta, noise=noise)
+    assert torch.equal(given_noise.prev_sample, drawn.prev_sample)
+    with pytest.raises(ValueError, match="not both"):
+        sde_step(sampler, x, v, *sig, eta, noise=noise, prev_sample=drawn.prev_sample)

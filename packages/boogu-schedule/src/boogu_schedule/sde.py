@@ -96,6 +96,7 @@ def sde_step(
     *,
     sigma_max: torch.Tensor | float | None = None,
     cps_log_prob: Literal["reference", "gaussian"] = "reference",
+    noise: torch.Tensor | None = None,
 ) -> SdeStep:
     """One step ``sigma -> sigma_next`` of ``sampler`` from ``sample`` with SDE velocity ``eps - x0``.
 
@@ -113,6 +114,8 @@ def sde_step(
             (what Flow-GRPO and verl-omni optimise; it drops the ``1/(2 s^2)`` factor and the
             normaliser, so ratios are ``exp`` of a differently scaled quantity); ``"gaussian"`` is the
             true Gaussian log-density with std ``s``.
+        noise: (B, *S) float32 standard-normal draw to use instead of drawing from ``generator``
+            (``prev_sample = mean + std * noise``); lets a caller draw per-group noise streams.
     """
     sampler = Sampler(sampler)
     _require_float32("sample", sample)
@@ -157,11 +160,20 @@ def sde_step(
         mean = sample + dt * velocity + (-0.5 * noise_level**2 * score) * dt
         std = noise_level * torch.sqrt(-dt)
 
+    if prev_sample is not None and noise is not None:
+        raise ValueError("sde_step: give prev_sample (to score) or noise (to draw with), not both")
     if prev_sample is None:
         if noise_level == 0.0 or sampler is Sampler.ODE:
             prev_sample = mean
         else:
-            noise = torch.randn(sample.shape, generator=generator, dtype=torch.float32, device=sample.device)
+            if noise is None:
+                noise = torch.randn(
+                    sample.shape, generator=generator, dtype=torch.float32, device=sample.device
+                )
+            else:
+                _require_float32("noise", noise)
+                if noise.shape != sample.shape:
+                    raise ValueError(f"sde_step: noise {tuple(noise.shape)} != sample {tuple(sample.shape)}")
             prev_sample = mean + std * noise
 
     # The sample is data, not a function of the parameters: no gradient flows through it.
