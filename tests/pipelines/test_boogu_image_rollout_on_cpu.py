@@ -125,3 +125,28 @@ def test_group_shares_one_encoding_and_one_window():
     engine, traj = _run(model, group_size=4, window=WindowPlan(kind="random", size=2, window_range=(0, 5)))
     assert engine.stats.prompts_encoded == 2  # the prompt and its negative, once for 4 samples
     assert len(set(traj.window)) == 1
+
+
+def test_a_groups_samples_do_not_depend_on_the_other_groups_in_the_request():
+    model = RecordingTransformer()
+    engine = LocalRolloutEngine(
+        model,
+        encode_prompts=fake_encoder,
+        codec=None,
+        schedule_config=RELEASED,
+        freqs_cis=[],
+        latent_channels=4,
+    )
+    common = dict(
+        group_size=3,
+        num_steps=6,
+        height=16,
+        width=16,
+        decode=False,
+        seed=5,
+        window=WindowPlan(kind="random", size=2, window_range=(0, 5)),
+    )
+    both = engine.generate(RolloutRequest([record("first"), record("second")], **common))
+    alone = engine.generate(RolloutRequest([record("second")], group_offset=1, **common))
+    assert torch.equal(both.latents[3:], alone.latents) and both.window[3:] == alone.window
+    assert both.group_id.tolist() == [0, 0, 0, 1, 1, 1] and alone.group_id.tolist() == [1, 1, 1]

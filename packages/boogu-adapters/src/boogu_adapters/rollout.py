@@ -31,7 +31,23 @@ from boogu_adapters.lora import (
 from boogu_adapters.step import CfgMode, boogu_velocity, forwards_per_step
 from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
 from boogu_data import PromptRecord
-from boogu_schedule import BooguScheduleConfig, Sampler, boogu_sigmas, plan_windows, sde_step, to_sde_velocity
+from boogu_schedule import (
+    BooguScheduleConfig,
+    Sampler,
+    SdeWindow,
+    WindowScope,
+    boogu_sigmas,
+    sde_step,
+    to_sde_velocity,
+)
+
+
+def _mix_seed(seed: int, key: int) -> int:
+    """A 63-bit seed from (seed, key), well spread (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (key + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 @runtime_checkable
@@ -197,7 +213,7 @@ class LocalRolloutEngine:
         records: Sequence[PromptRecord],
         group_size: int,
         guidance_scale: float,
-        generator: torch.Generator,
+        generators: Sequence[torch.Generator],
     ) -> Conditioning:
         """Conditioning for ``len(records) * group_size`` samples, encoding each unique input once."""
         with self._timer("encode"):
@@ -220,13 +236,17 @@ class LocalRolloutEngine:
             if any(r.ref_image is not None for r in records):
                 if self.codec is None:
                     raise ValueError("edit rows need a VAE codec to encode their reference images")
-                images, img_idx = _dedupe([r.ref_image for r in records if r.ref_image is not None])
-                latents = self.codec.encode_references(images, generator)
-                self.stats.reference_images_encoded += len(images)
-                per_record, j = [], 0
-                for r in records:
-                    per_record.append(None if r.ref_image is None else latents[img_idx[j]].to(self.device))
-                    j += r.ref_image is not None
+                # Sampled once per prompt from that group's stream, and shared by the group.
+                per_record: list[torch.Tensor | None] = []
+                seen: dict[bytes, torch.Tensor] = {}
+                for r, gen in zip(records, generators):
+                    if r.ref_image is None:
+                        per_record.append(None)
+                        continue
+                    if r.ref_image not in seen:
+                        (seen[r.ref_image],) = self.codec.encode_references([r.ref_image], gen)
+                        self.stats.reference_images_encoded += 1
+                    per_record.append(seen[r.ref_image].to(self.device))
                 refs = tuple(ref for ref in per_record for _ in range(group_size))
         return Conditioning(
             hidden_states=hidden[sample_rows],
@@ -247,6 +267,33 @@ class LocalRolloutEngine:
         return sizes.pop() if sizes else (request.height, request.width)
 
     # ---- the denoising loop --------------------------------------------------------------------
+    def _generators(self, request: RolloutRequest) -> tuple[list[torch.Generator], torch.Generator]:
+        """One generator per group, seeded from (request seed, global group index), plus one for the batch.
+
+        Each group's initial noise, window and SDE noise come from its own stream, so a group's
+        trajectory does not depend on which other groups share its request (or its rank).
+        """
+
+        def make(key: int) -> torch.Generator:
+            return torch.Generator(device=self.device).manual_seed(_mix_seed(request.seed, key))
+
+        groups = [make(request.group_offset + g) for g in range(len(request.records))]
+        return groups, make(-1)
+
+    def _windows(
+        self, request: RolloutRequest, group_gens: list[torch.Generator], batch_gen: torch.Generator
+    ):
+        plan, n, steps = request.window, request.group_size, request.num_steps
+
+        def one(gen: torch.Generator) -> SdeWindow:
+            return plan.one(steps, request.noise_level, gen, request.iteration)
+
+        if plan.scope is WindowScope.BATCH:
+            return [one(batch_gen)] * (len(group_gens) * n)
+        if plan.scope is WindowScope.GROUP:
+            return [w for gen in group_gens for w in [one(gen)] * n]
+        return [one(gen) for gen in group_gens for _ in range(n)]
+
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> Trajectory:
         if self.transformer is None:
@@ -255,28 +302,28 @@ class LocalRolloutEngine:
         num_prompts, batch = len(request.records), request.batch_size
         if num_prompts == 0:
             raise ValueError("RolloutRequest has no records")
-        generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        cond = self.encode(request.records, n, request.guidance_scale, generator)
+        group_gens, batch_gen = self._generators(request)
+        cond = self.encode(request.records, n, request.guidance_scale, group_gens)
 
         height, width = self._output_size(request)
         h, w = self.codec.latent_size(height, width) if self.codec else (height // 8, width // 8)
         # Static schedules ignore num_tokens; dynamic ones use the latent area (latent pixels).
         sigmas = boogu_sigmas(self.schedule_config, steps, num_tokens=h * w).to(self.device)
-        windows = plan_windows(
-            request.window, steps, request.noise_level, num_prompts, n, generator, request.iteration
-        )
+        windows = self._windows(request, group_gens, batch_gen)
         sizes = {win.size for win in windows}
         if len(sizes) != 1:
             raise ValueError(f"all windows of a request must have one size, got {sorted(sizes)}")
         width_w = sizes.pop()
         starts = torch.tensor([win.start for win in windows], device=self.device)
+        group_of = torch.arange(num_prompts, device=self.device).repeat_interleave(n)
 
         # The running latent is float32 from the first draw (the float32 trajectory rule).
-        x = torch.randn(
-            batch, self.latent_channels, h, w, generator=generator, dtype=torch.float32, device=self.device
+        shape = (self.latent_channels, h, w)
+        x = torch.cat(
+            [torch.randn(n, *shape, generator=g, dtype=torch.float32, device=self.device) for g in group_gens]
         )
-        latents = x.new_zeros(batch, width_w + 1, *x.shape[1:])
-        means = x.new_zeros(batch, width_w, *x.shape[1:])
+        latents = x.new_zeros(batch, width_w + 1, *shape)
+        means = x.new_zeros(batch, width_w, *shape)
         log_probs = x.new_zeros(batch, width_w)
         stds = x.new_zeros(batch, width_w)
         step_index = starts[:, None] + torch.arange(width_w, device=self.device)[None, :]
@@ -312,6 +359,18 @@ class LocalRolloutEngine:
                 ).prev_sample
             if inside.any():
                 rows = inside.nonzero().flatten()
+                # Each group draws its SDE noise from its own stream.
+                noise = torch.cat(
+                    [
+                        torch.randn(
+                            int((group_of[rows] == g).sum()),
+                            *shape,
+                            generator=group_gens[g],
+                            device=self.device,
+                        )
+                        for g in group_of[rows].unique(sorted=True).tolist()
+                    ]
+                )
                 step = sde_step(
                     request.sampler,
                     x[rows],
@@ -319,7 +378,7 @@ class LocalRolloutEngine:
                     sigma[rows],
                     sigma_next[rows],
                     request.noise_level,
-                    generator,
+                    noise=noise,
                 )
                 k = i - starts[rows]
                 x_next[rows] = step.prev_sample
@@ -347,7 +406,7 @@ class LocalRolloutEngine:
             mean=means,
             std=stds,
             window=tuple((win.start, win.end) for win in windows),
-            group_id=torch.arange(num_prompts, device=self.device).repeat_interleave(n),
+            group_id=group_of + request.group_offset,
             conditioning=cond,
             final_latents=x,
             images=images,

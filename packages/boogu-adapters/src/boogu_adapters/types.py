@@ -40,6 +40,9 @@ class RolloutRequest:
     """Output width in pixels."""
     seed: int = 0
     """Seeds the initial noise, the windows, the SDE noise and reference-latent sampling."""
+    group_offset: int = 0
+    """Global index of this request's first group: group g draws from stream (seed, offset + g),
+    so a group's samples do not depend on how groups are split over requests or ranks."""
     iteration: int = 0
     """Training step, for progressive windows."""
     decode: bool = True

@@ -1,0 +1,144 @@
+"""Glue from loaded checkpoint parts to the rollout engine's encoder and VAE codec."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+from PIL import Image
+
+from boogu_adapters.encoding import (
+    decode_latents,
+    encode_prompts,
+    encode_reference_images,
+    fit_size,
+    num_instruction_feature_layers,
+)
+from boogu_adapters.loading import BooguParts
+from boogu_adapters.model import get_freqs_cis
+from boogu_adapters.rollout import LocalRolloutEngine
+from boogu_adapters.step import CfgMode
+
+ROPE_THETA = 10000.0
+
+
+class QwenPromptEncoder:
+    """Qwen3-VL prompt features as upstream computes them (see :func:`encoding.encode_prompts`).
+
+    A prompt longer than ``max_sequence_length`` tokens is an error naming it: upstream keeps the
+    whole prompt by default, and silently cutting it (the reference's defect) changes the task.
+    """
+
+    def __init__(
+        self, text_encoder, processor, *, max_sequence_length: int = 1280, num_feature_layers: int = 1
+    ):
+        if num_feature_layers != 1:
+            raise NotImplementedError(
+                "checkpoints with num_instruction_feature_layers > 1 are not supported by the rollout engine yet"
+            )
+        self.text_encoder, self.processor = text_encoder, processor
+        self.max_sequence_length = max_sequence_length
+        self.seconds = 0.0
+
+    def __call__(self, instructions: Sequence[str], images: Sequence[bytes | None] | None):
+        t0 = time.perf_counter()
+        pil = None if images is None else [None if b is None else [_decode_image(b)] for b in images]
+        embeds = encode_prompts(self.text_encoder, self.processor, list(instructions), pil)
+        lengths = embeds.attention_mask.sum(dim=1)
+        too_long = (lengths > self.max_sequence_length).nonzero().flatten().tolist()
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {instructions[i][:60]!r} has {int(lengths[i])} tokens, more than "
+                f"model.max_sequence_length={self.max_sequence_length}"
+            )
+        self.seconds += time.perf_counter() - t0
+        return embeds.hidden_states, embeds.attention_mask
+
+
+class VaeCodec:
+    """The FLUX VAE as the rollout engine's :class:`~boogu_adapters.rollout.ImageCodec`."""
+
+    def __init__(self, vae, vae_scale_factor: int = 8, *, sample_references: bool = True):
+        self.vae, self.factor = vae, vae_scale_factor
+        self.sample_references = sample_references
+        self.seconds = 0.0
+
+    def encode_references(self, images: Sequence[bytes], generator: torch.Generator) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        # The VAE posterior draw uses a CPU generator derived from the request's, so the same
+        # request gives the same reference latents on any device.
+        cpu_gen = torch.Generator().manual_seed(
+            int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+        )
+        out = encode_reference_images(
+            self.vae,
+            [_decode_image(b) for b in images],
+            generator=cpu_gen if self._on_cpu else None,
+            sample=self.sample_references,
+        )
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    @property
+    def _on_cpu(self) -> bool:
+        return next(self.vae.parameters()).device.type == "cpu"
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = decode_latents(self.vae, latents)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        return height // self.factor, width // self.factor
+
+    def reference_size(self, image: bytes) -> tuple[int, int]:
+        return _image_size(image)
+
+
+@lru_cache(maxsize=64)
+def _image_size(image: bytes) -> tuple[int, int]:
+    with Image.open(io.BytesIO(image)) as im:
+        return fit_size(im.height, im.width)
+
+
+def _decode_image(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB")
+
+
+def rope_tables(transformer: torch.nn.Module) -> list[torch.Tensor]:
+    config = transformer.config
+    return get_freqs_cis(config.axes_dim_rope, config.axes_lens, ROPE_THETA)
+
+
+def build_local_engine(
+    parts: BooguParts,
+    *,
+    transformer: torch.nn.Module | None = None,
+    max_sequence_length: int = 1280,
+    cfg_mode: CfgMode = "batched",
+    device: torch.device | str | None = None,
+) -> LocalRolloutEngine:
+    """A :class:`LocalRolloutEngine` over the parts (``transformer`` overrides ``parts.transformer``,
+    e.g. the LoRA-injected module the trainer trains)."""
+    model = transformer if transformer is not None else parts.transformer
+    return LocalRolloutEngine(
+        model,
+        encode_prompts=QwenPromptEncoder(
+            parts.text_encoder,
+            parts.processor,
+            max_sequence_length=max_sequence_length,
+            num_feature_layers=num_instruction_feature_layers(model),
+        ),
+        codec=VaeCodec(parts.vae, parts.vae_scale_factor),
+        schedule_config=parts.schedule_config,
+        freqs_cis=rope_tables(model),
+        latent_channels=model.config.in_channels,
+        cfg_mode=cfg_mode,
+        device=device,
+    )
