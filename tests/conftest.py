@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 from hypothesis import HealthCheck, settings
 
@@ -10,6 +11,8 @@ from hypothesis import HealthCheck, settings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Remote-code copies (diffusers/transformers dynamic modules) go to a per-session temp folder, not $HOME.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="boogu-hf-modules-"))
 
 # Tensor code has no meaningful per-example deadline on a shared 2-core machine.
 settings.register_profile("dev", max_examples=25, deadline=None)

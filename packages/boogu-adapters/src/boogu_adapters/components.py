@@ -83,10 +83,6 @@ class VaeCodec:
         self.seconds += time.perf_counter() - t0
         return out
 
-    @property
-    def _on_cpu(self) -> bool:
-        return next(self.vae.parameters()).device.type == "cpu"
-
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         out = decode_latents(self.vae, latents)

@@ -1,0 +1,328 @@
+"""Prompts to Qwen3-VL features, reference images to VAE latents, latents back to images.
+
+Everything here follows upstream's ``BooguImagePipeline`` (spec ``boogu-model.md`` §9):
+
+* **Prompts** (§9.2-§9.4): each instruction becomes boogu-data's two-turn chat (system prompt by
+  upstream's per-encoding rule, including the empty-instruction quirk: ``""`` gets the TI2I
+  prompt even in T2I), the whole batch is tokenised by one ``processor.apply_chat_template`` call
+  with right padding and no generation prompt, and the feature is the inner ``Qwen3VLModel``'s
+  ``last_hidden_state`` over the whole templated sequence (system tokens included), with the
+  processor's attention mask.
+* **Reference images, VAE path** (§9.5): resized so the area is at most ``max_pixels`` (2048²)
+  and the long side at most 4096, sides floored to multiples of 16, never upsampled; scaled to
+  ``[-1, 1]``; encoded; ``z = (z - shift_factor) * scaling_factor``.
+* **Output size** (§9.6): an edit follows its reference's VAE size; T2I requests are clamped by
+  area to 2048² and floored to multiples of 16.
+* **Latents** are ``(z - shift) * scale`` of the VAE's posterior; :func:`decode_latents` inverts
+  that and returns uint8 pixels the way diffusers' ``VaeImageProcessor.postprocess`` rounds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from boogu_data import build_messages
+
+__all__ = [
+    "DEFAULT_MAX_SEQUENCE_LENGTH",
+    "DEFAULT_SIZE",
+    "MAX_REFERENCE_PIXELS",
+    "MAX_REFERENCE_SIDE",
+    "SIZE_MULTIPLE",
+    "PromptEmbeds",
+    "decode_latents",
+    "encode_prompts",
+    "encode_reference_images",
+    "fit_size",
+    "latents_to_vae",
+    "num_instruction_feature_layers",
+    "preprocess_reference_image",
+    "resolve_output_size",
+    "vae_to_latents",
+]
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 1280
+"""Upstream ``__call__``'s ``max_sequence_length``; it only matters with ``truncate=True``."""
+MAX_REFERENCE_PIXELS = 2048 * 2048
+"""Upstream's ``max_input_image_pixels`` default: the area cap of reference images and outputs."""
+MAX_REFERENCE_SIDE = 4096
+"""Upstream's ``max_input_image_side_length`` default (reference images only, not outputs)."""
+SIZE_MULTIPLE = 16
+"""Image sides are floored to multiples of this: VAE factor 8 times patch size 2."""
+DEFAULT_SIZE = 1024
+"""Upstream's output side when a request gives none (``default_sample_size`` 128 x VAE factor 8)."""
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Instruction features of a batch of prompts, right-padded to the longest prompt."""
+
+    hidden_states: torch.Tensor | list[torch.Tensor]
+    """(B, L, D) in the text encoder's dtype, or a list of the last n layers' (B, L, D) when the
+    transformer takes ``num_instruction_feature_layers = n > 1``."""
+    attention_mask: torch.Tensor
+    """(B, L) int64, 1 for tokens, 0 for right padding."""
+    input_ids: torch.Tensor
+    """(B, L) int64 token ids, kept for debugging and cache keys."""
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.attention_mask.shape[0])
+
+
+def num_instruction_feature_layers(transformer: Any) -> int:
+    """How many last hidden layers ``transformer`` takes, read the way upstream's pipeline reads it.
+
+    The pipeline looks up ``instruction_feature_configs["num_instruction_feature_layers"]``
+    (default 1). Upstream's transformer itself reads ``num_instruction_feat_layers``; the
+    released config only has the former (spec §12.9), so this follows the pipeline.
+    """
+    config = getattr(transformer, "config", transformer)
+    feature_configs = getattr(config, "instruction_feature_configs", None)
+    if feature_configs is None and isinstance(config, dict):
+        feature_configs = config.get("instruction_feature_configs")
+    return int((feature_configs or {}).get("num_instruction_feature_layers", 1))
+
+
+def encode_prompts(
+    text_encoder: torch.nn.Module,
+    processor: Any,
+    instructions: Sequence[str | None],
+    images: Sequence[Sequence[Image.Image] | None] | None = None,
+    *,
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+    truncate: bool = False,
+    num_feature_layers: int = 1,
+) -> PromptEmbeds:
+    """Encode a batch of instructions (with optional reference images) as upstream does.
+
+    The messages come from :func:`boogu_data.build_messages`, so an empty instruction (the
+    default negative ``""``) carries the TI2I system prompt even without images: upstream's
+    pipeline default, which the released model was sampled with. Negatives in edit mode are
+    encoded text-only (pass ``images=None`` for them).
+
+    Reference images for the VLM are handed to the checkpoint processor as they are and sized by
+    its own rules (Qwen's smart resize between the processor's min and max pixels). This is a
+    known, documented deviation from upstream, which first shrinks each image to at most 384²
+    pixels and 768 px per side (and resizes a sample's later images to the first one's size): it
+    keeps the ``<|image_pad|>`` count consistent with what the processor tokenises, as in the
+    verl-omni reference integration (spec flowgrpo-reference.md §1.9).
+
+    Args:
+        text_encoder: the inner ``Qwen3VLModel`` (``BooguParts.text_encoder``).
+        processor: the checkpoint's Qwen3-VL processor (``BooguParts.processor``).
+        instructions: B instructions; None is treated as ``""``.
+        images: None, or B lists (possibly empty) of reference images for the VLM; images first,
+            then the text, in the user turn.
+        max_sequence_length: tokens kept per prompt when ``truncate`` is True.
+        truncate: truncate long prompts (upstream's ``truncate_instruction_sequence``, default off).
+        num_feature_layers: 1 returns ``last_hidden_state``; n > 1 returns the last n entries of
+            the hidden-state tuple as a list (see :func:`num_instruction_feature_layers`).
+
+    Returns:
+        PromptEmbeds on the text encoder's device, features in its dtype. Computed without grad.
+    """
+    if isinstance(instructions, str):
+        raise TypeError("instructions must be a sequence of strings, not a single string")
+    if len(instructions) == 0:
+        raise ValueError("instructions is empty")
+    if num_feature_layers < 1:
+        raise ValueError(f"num_feature_layers must be >= 1, got {num_feature_layers}")
+    if images is not None and len(images) != len(instructions):
+        raise ValueError(
+            f"images has {len(images)} entries for {len(instructions)} instructions; pass one list per instruction"
+        )
+    conversations = []
+    for i, instruction in enumerate(instructions):
+        sample_images = [] if images is None or images[i] is None else [_as_rgb(im) for im in images[i]]
+        conversations.append(build_messages(instruction, sample_images))
+    inputs = processor.apply_chat_template(
+        conversations,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        add_generation_prompt=False,
+        processor_kwargs={
+            "padding": "longest",
+            "padding_side": "right",
+            "max_length": max_sequence_length,
+            "truncation": truncate,
+        },
+    )
+    device = _module_device(text_encoder)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    dtype = _module_dtype(text_encoder)
+    with torch.no_grad():
+        if num_feature_layers == 1:
+            hidden: torch.Tensor | list[torch.Tensor] = text_encoder(**inputs).last_hidden_state.to(dtype)
+        else:
+            all_layers = text_encoder(**inputs, output_hidden_states=True).hidden_states
+            if len(all_layers) < num_feature_layers:
+                raise ValueError(
+                    f"num_feature_layers={num_feature_layers}, but the text encoder returns only {len(all_layers)} hidden states"
+                )
+            hidden = [layer.to(dtype) for layer in all_layers[-num_feature_layers:]]
+    return PromptEmbeds(
+        hidden_states=hidden,
+        attention_mask=inputs["attention_mask"].to(torch.int64),
+        input_ids=inputs["input_ids"],
+    )
+
+
+def fit_size(
+    height: int,
+    width: int,
+    *,
+    max_pixels: int = MAX_REFERENCE_PIXELS,
+    max_side_length: int | None = MAX_REFERENCE_SIDE,
+    multiple: int = SIZE_MULTIPLE,
+) -> tuple[int, int]:
+    """Upstream's resize rule: shrink to the area and side caps (never enlarge), floor to ``multiple``.
+
+    ``ratio = min(sqrt(max_pixels / (H W)), max_side_length / max(H, W), 1)``; the new size is
+    ``floor(H ratio) // multiple * multiple`` by the same for W (``BooguImageProcessor.get_new_height_width``).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    ratio = min((max_pixels / (height * width)) ** 0.5, 1.0)
+    if max_side_length is not None:
+        ratio = min(ratio, max_side_length / max(height, width))
+    new_height = int(height * ratio) // multiple * multiple
+    new_width = int(width * ratio) // multiple * multiple
+    if new_height == 0 or new_width == 0:
+        raise ValueError(
+            f"a {height}x{width} image is smaller than {multiple} px on a side after resizing; "
+            f"Boogu needs sides of at least {multiple} px"
+        )
+    return new_height, new_width
+
+
+def resolve_output_size(
+    height: int | None = None,
+    width: int | None = None,
+    *,
+    reference_latents: torch.Tensor | None = None,
+    vae_scale_factor: int = 8,
+    max_pixels: int = MAX_REFERENCE_PIXELS,
+) -> tuple[int, int]:
+    """The (height, width) Boogu generates at (spec §9.6).
+
+    With ``reference_latents`` (an edit) the output follows the reference: its VAE-preprocessed
+    size, ``latent shape * vae_scale_factor``; the requested size is ignored, as upstream does
+    with ``align_res=True``. Otherwise the request (default 1024²) is clamped by area to
+    ``max_pixels`` and floored to multiples of 16; the side cap is not applied here, as upstream.
+    """
+    if reference_latents is not None:
+        return int(reference_latents.shape[-2]) * vae_scale_factor, int(
+            reference_latents.shape[-1]
+        ) * vae_scale_factor
+    height = DEFAULT_SIZE if height is None else height
+    width = DEFAULT_SIZE if width is None else width
+    return fit_size(height, width, max_pixels=max_pixels, max_side_length=None)
+
+
+def preprocess_reference_image(
+    image: Image.Image,
+    *,
+    max_pixels: int = MAX_REFERENCE_PIXELS,
+    max_side_length: int = MAX_REFERENCE_SIDE,
+) -> torch.Tensor:
+    """A reference image as the VAE sees it: (1, 3, H, W) float32 in [-1, 1], sides multiples of 16.
+
+    Resized with Lanczos (diffusers' default) to :func:`fit_size`; converted to RGB first
+    (upstream's example scripts do that before calling the pipeline).
+    """
+    image = _as_rgb(image)
+    height, width = fit_size(
+        image.height, image.width, max_pixels=max_pixels, max_side_length=max_side_length
+    )
+    if (image.height, image.width) != (height, width):
+        image = image.resize((width, height), resample=Image.Resampling.LANCZOS)
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)  # (H, W, 3) in [0, 1]
+    return (pixels.permute(2, 0, 1).unsqueeze(0) * 2.0 - 1.0).contiguous()
+
+
+def encode_reference_images(
+    vae: Any,
+    images: Sequence[Image.Image],
+    *,
+    generator: torch.Generator | None = None,
+    sample: bool = True,
+    max_pixels: int = MAX_REFERENCE_PIXELS,
+    max_side_length: int = MAX_REFERENCE_SIDE,
+) -> list[torch.Tensor]:
+    """Encode reference images to scaled latents, one (C, H/8, W/8) tensor per image, in the VAE dtype.
+
+    ``sample=True`` draws from the VAE posterior like upstream, but from ``generator`` rather than
+    the global RNG (upstream's draw is not reproducible, spec §12.11); ``sample=False`` takes its
+    mode. Images are encoded one at a time because their sizes may differ.
+    """
+    latents = []
+    with torch.no_grad():
+        for image in images:
+            pixels = preprocess_reference_image(image, max_pixels=max_pixels, max_side_length=max_side_length)
+            posterior = vae.encode(pixels.to(device=_module_device(vae), dtype=vae.dtype)).latent_dist
+            z = posterior.sample(generator=generator) if sample else posterior.mode()
+            latents.append(vae_to_latents(vae, z)[0].to(vae.dtype))
+    return latents
+
+
+def vae_to_latents(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    """VAE posterior space to Boogu latent space: ``(z - shift_factor) * scaling_factor``."""
+    shift, scale = _vae_factors(vae)
+    return (z - shift) * scale
+
+
+def latents_to_vae(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Boogu latent space to VAE decoder input: ``latents / scaling_factor + shift_factor`` (upstream's order)."""
+    shift, scale = _vae_factors(vae)
+    return latents / scale + shift
+
+
+def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Decode (B, C, h, w) Boogu latents to (B, 3, 8h, 8w) uint8 images on the CPU.
+
+    Pixels are ``round(clamp(x / 2 + 0.5, 0, 1) * 255)`` computed in float32, which is what
+    diffusers' ``VaeImageProcessor.postprocess`` does for the pipeline's PIL output.
+    """
+    with torch.no_grad():
+        z = latents_to_vae(vae, latents.to(device=_module_device(vae), dtype=vae.dtype))
+        pixels = vae.decode(z).sample.float()
+    return ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def _vae_factors(vae: Any) -> tuple[float, float]:
+    config = vae.config
+    scale = config.scaling_factor
+    if scale is None:
+        raise ValueError("the VAE config has no scaling_factor (the FLUX VAE's is 0.3611)")
+    # Upstream skips the shift when the config has none (SD-style VAEs); the FLUX VAE's is 0.1159.
+    shift = config.shift_factor if getattr(config, "shift_factor", None) is not None else 0.0
+    return float(shift), float(scale)
+
+
+def _as_rgb(image: Image.Image) -> Image.Image:
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"reference images must be PIL images, got {type(image).__name__}")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _module_dtype(module: torch.nn.Module) -> torch.dtype:
+    dtype = getattr(module, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    for tensor in module.parameters():
+        return tensor.dtype
+    return torch.float32

@@ -1,0 +1,526 @@
+"""Build a tiny random Boogu-Image checkpoint with the released folder layout, offline.
+
+The folder mirrors ``Boogu/Boogu-Image-0.1-Base`` (spec ``boogu-model.md`` §10) so that every
+loader path runs on a laptop in seconds::
+
+    model_index.json          names BooguImagePipeline and the five components, as released
+    transformer/              config.json (+ auto_map), two safetensors shards + index,
+                              transformer_boogu.py (shim: upstream's class if `boogu` imports, else ours)
+    vae/                      a FLUX-style AutoencoderKL: 16 latent channels, 8x down, scale 0.3611, shift 0.1159
+    mllm/                     a Qwen3VLForConditionalGeneration whose text width is the transformer's
+                              instruction feature width
+    processor/                tokenizer, image processor, chat template
+    scheduler/                scheduler_config.json with the released Boogu keys (+ shim)
+
+Every weight is random and seeded; the transformer's zero-initialised adaLN and output head are
+randomised too, so outputs are non-zero.
+
+``processor/`` and ``scheduler/`` are copied byte for byte from a local Boogu snapshot when one is
+given (``source_model=`` or the ``SOURCE_MODEL`` environment variable); its weight shards are never
+read. The copy is verbatim on purpose: a diffusers config round trip drops the Boogu time-shift
+keys, and the processor must be the real tokenizer and chat template. Without a snapshot both are
+fabricated locally, with no network: a small byte-level BPE tokenizer with the Qwen special tokens, a
+Qwen3-VL-style chat template, and a Pillow-only image processor (torchvision is not needed).
+
+Building is atomic: everything is written into a temporary sibling folder that is renamed into
+place last, with a completion marker written just before. A crash leaves at most a hidden
+``.<name>.tmp-*`` sibling, never a folder at ``path`` that passes as complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from boogu_adapters import __version__
+from boogu_adapters._processor import ImageOnlyQwen3VLProcessor
+from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
+from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
+
+__all__ = [
+    "DEFAULT_TINY_PATH",
+    "MARKER_NAME",
+    "ensure_tiny_checkpoint",
+    "is_complete_tiny_checkpoint",
+    "main",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TINY_PATH = "~/models/tiny-random/Boogu-Image"
+"""Where the tiny checkpoint lives unless told otherwise (the reference integration's path)."""
+
+MARKER_NAME = ".boogu-tiny.json"
+"""Written last into a finished build; a folder without it is never treated as complete."""
+
+DEFAULT_SEED = 42
+
+MODEL_INDEX: dict[str, Any] = {
+    "_class_name": "BooguImagePipeline",
+    "_diffusers_version": "0.35.2",
+    "mllm": ["transformers", "Qwen3VLForConditionalGeneration"],
+    "processor": ["transformers", "Qwen3VLProcessor"],
+    "scheduler": ["scheduling_flow_match_euler_discrete_time_shifting", "FlowMatchEulerDiscreteScheduler"],
+    "transformer": ["transformer_boogu", "BooguImageTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+"""The released Base/Edit ``model_index.json`` (spec §10)."""
+
+RELEASED_SCHEDULER_CONFIG: dict[str, Any] = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.35.2",
+    "do_shift": True,
+    "dynamic_time_shift": False,
+    "num_train_timesteps": 1000,
+    "seq_len": 4096,
+    "time_shift_version": "v1",
+}
+"""The released ``scheduler/scheduler_config.json`` keys and values (spec §8.1): static v1 shift."""
+
+QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+"""Qwen2.5/Qwen3-VL's special tokens in their id order (151643...151656 in the real vocabulary)."""
+
+# Qwen3-VL's ChatML template, reduced to what a processor needs: text, image and video items,
+# optional "Picture k: " labels, and the optional generation prompt. For system and user turns it
+# renders exactly what the released template renders.
+CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) -%}"
+    "{%- set video_count = namespace(value=0) -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for content in message['content'] -%}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content -%}"
+    "{%- set image_count.value = image_count.value + 1 -%}"
+    "{%- if add_vision_id -%}{{- 'Picture ' + image_count.value|string + ': ' -}}{%- endif -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif content['type'] == 'video' or 'video' in content -%}"
+    "{%- set video_count.value = video_count.value + 1 -%}"
+    "{%- if add_vision_id -%}{{- 'Video ' + video_count.value|string + ': ' -}}{%- endif -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in content -%}"
+    "{{- content['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+TRANSFORMER_SHIM = '''\
+"""BooguImageTransformer2DModel for diffusers' remote-code loader (written by boogu-tiny).
+
+Like the released checkpoints' shim, this file holds no model code: it re-exports upstream's
+class when the `boogu` package is installed, and boogu_adapters' port otherwise.
+"""
+
+try:
+    from boogu.models.transformers.transformer_boogu import BooguImageTransformer2DModel
+except ImportError:
+    from boogu_adapters.model import BooguImageTransformer2DModel
+
+__all__ = ["BooguImageTransformer2DModel"]
+'''
+
+SCHEDULER_SHIM = '''\
+"""Upstream's Boogu scheduler for DiffusionPipeline's remote-code loader (written by boogu-tiny).
+
+It needs the `boogu` package. There is deliberately no fallback to diffusers' class of the same
+name: that class silently drops the Boogu time-shift keys. boogu_adapters reads
+scheduler_config.json as raw JSON instead.
+"""
+
+from boogu.schedulers.scheduling_flow_match_euler_discrete_time_shifting import FlowMatchEulerDiscreteScheduler
+
+__all__ = ["FlowMatchEulerDiscreteScheduler"]
+'''
+
+# Prompt-like text the tiny tokenizer learns its merges from (with the two system prompts).
+_BPE_CORPUS: tuple[str, ...] = (
+    'A photo of a red sign that says "OPEN" on a wooden door, the text written in white letters.',
+    'A poster with the title "Hello World" in bold black font on a yellow background.',
+    "Make the image blue, change the word to CLOSED and keep everything else the same.",
+    "a cat, a dog, a street at night, a cup of coffee on the table, a book cover, a logo",
+)
+
+# Files (relative to the checkpoint) that a finished build always has.
+_REQUIRED_FILES: tuple[str, ...] = (
+    MARKER_NAME,
+    "model_index.json",
+    "transformer/config.json",
+    "transformer/transformer_boogu.py",
+    "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "vae/config.json",
+    "vae/diffusion_pytorch_model.safetensors",
+    "mllm/config.json",
+    "mllm/model.safetensors",
+    "scheduler/scheduler_config.json",
+)
+
+
+def ensure_tiny_checkpoint(
+    path: str | os.PathLike[str] = DEFAULT_TINY_PATH,
+    source_model: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    *,
+    seed: int = DEFAULT_SEED,
+) -> Path:
+    """Build the tiny random checkpoint at ``path`` unless a complete one is already there.
+
+    Args:
+        path: target folder; ``~`` is expanded.
+        source_model: a local Boogu snapshot whose ``processor/`` and ``scheduler/`` folders are
+            copied verbatim (its weights are not read). Defaults to the ``SOURCE_MODEL``
+            environment variable; a value there that is not a local folder is ignored with a
+            warning (the reference integration sets it to a hub id), an explicit argument that is
+            not one is an error.
+        force: rebuild even when a complete checkpoint exists.
+        seed: seeds the transformer (seed), the VAE (seed + 1) and the Qwen3-VL model (seed + 2).
+
+    Returns:
+        The absolute path of the finished checkpoint.
+
+    Raises:
+        FileExistsError: ``path`` exists, is not empty and was not built by this function; it is
+            never deleted, even with ``force``.
+        FileNotFoundError: ``source_model`` is not a folder with ``processor/`` and
+            ``scheduler/scheduler_config.json``.
+    """
+    target = Path(path).expanduser().absolute()
+    if is_complete_tiny_checkpoint(target):
+        if not force:
+            logger.info("tiny checkpoint at %s is complete; nothing to do", target)
+            return target
+    elif target.exists() and not _is_empty_dir(target) and not (target / MARKER_NAME).is_file():
+        raise FileExistsError(
+            f"{target} exists and is not a tiny checkpoint built by boogu-tiny (no {MARKER_NAME}); "
+            "refusing to replace it. Remove it yourself or choose another path."
+        )
+    source = _resolve_source(source_model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint should read like any folder
+        _build(staging, source=source, seed=seed)
+        _install(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("built tiny Boogu checkpoint at %s", target)
+    return target
+
+
+def is_complete_tiny_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` holds a finished build: the completion marker and every required file."""
+    root = Path(path).expanduser()
+    if not all((root / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    processor = root / "processor"
+    return processor.is_dir() and any(processor.iterdir())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``boogu-tiny``: build the tiny random checkpoint and print its path."""
+    parser = argparse.ArgumentParser(prog="boogu-tiny", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--output-dir", default=DEFAULT_TINY_PATH, help="target folder (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--source-model",
+        default=None,
+        help="local Boogu snapshot to copy processor/ and scheduler/ from (default: $SOURCE_MODEL, else fabricate)",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete checkpoint exists")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path = ensure_tiny_checkpoint(args.output_dir, args.source_model, args.force, seed=args.seed)
+    except (FileExistsError, FileNotFoundError) as e:
+        print(f"boogu-tiny: error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+
+
+def _build(root: Path, *, source: Path | None, seed: int) -> None:
+    """Write every component into ``root``; the marker goes last."""
+    if source is not None:
+        # Verbatim, file for file: no config class ever parses these.
+        shutil.copytree(source / "processor", root / "processor")
+        shutil.copytree(source / "scheduler", root / "scheduler")
+    else:
+        _write_processor(root / "processor")
+        _write_scheduler(root / "scheduler")
+    _write_transformer(root / "transformer", seed=seed)
+    _write_vae(root / "vae", seed=seed + 1)
+    _write_mllm(root / "mllm", tokenizer_dir=root / "processor", seed=seed + 2)
+    _write_json(root / "model_index.json", MODEL_INDEX)
+    _write_json(
+        root / MARKER_NAME,
+        {
+            "builder": "boogu_adapters.tiny",
+            "boogu_adapters_version": __version__,
+            "seed": seed,
+            "source_model": None if source is None else str(source),
+        },
+    )
+
+
+def _install(staging: Path, target: Path) -> None:
+    """Move the finished ``staging`` folder to ``target`` with renames only."""
+    if not target.exists() or _is_empty_dir(target):
+        try:
+            os.replace(staging, target)  # an empty target directory is replaced atomically
+        except OSError:
+            # Another process (e.g. a second rank) finished the same build first: keep theirs.
+            if is_complete_tiny_checkpoint(target):
+                shutil.rmtree(staging, ignore_errors=True)
+                return
+            raise
+        return
+    # Replacing our own earlier build (force, or a tampered one): swap, then delete the old copy.
+    retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, retired / "checkpoint")
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(retired / "checkpoint", target)
+        shutil.rmtree(retired, ignore_errors=True)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _write_transformer(folder: Path, *, seed: int) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BooguImageTransformer2DModel(**TINY_CONFIG)
+    randomize_parameters(model, seed)
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Two shards and an index, like the released checkpoint (three shards there), so the sharded
+    # path of every loader is exercised.
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=total_bytes // 2 + 1)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    # What diffusers.AutoModel(..., trust_remote_code=True) needs to find the shim.
+    config["auto_map"] = {"AutoModel": "transformer_boogu.BooguImageTransformer2DModel"}
+    _write_json(config_path, config)
+    (folder / "transformer_boogu.py").write_text(TRANSFORMER_SHIM, encoding="utf-8")
+
+
+def _write_vae(folder: Path, *, seed: int) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=16,
+            down_block_types=["DownEncoderBlock2D"] * 4,  # 4 blocks: 3 downsamplings, factor 8
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            block_out_channels=[8, 8, 8, 8],
+            layers_per_block=1,
+            norm_num_groups=4,
+            sample_size=64,
+            use_quant_conv=False,  # the FLUX VAE has no quant convs
+            use_post_quant_conv=False,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )
+    vae.save_pretrained(folder, safe_serialization=True)
+
+
+def _write_mllm(folder: Path, *, tokenizer_dir: Path, seed: int) -> None:
+    """A tiny Qwen3-VL whose vocabulary and special ids follow the tokenizer in ``tokenizer_dir``.
+
+    The tokenizer is either fabricated or a real Qwen one copied from a snapshot, so the embedding
+    table is sized from it. The text width equals the transformer's instruction feature width.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    ids = {}
+    for token in ("<|endoftext|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(
+                f"{tokenizer_dir}: the tokenizer has no {token} token; it is not a Qwen3-VL tokenizer"
+            )
+        ids[token] = token_id
+    text_width = TINY_CONFIG["instruction_feature_configs"]["instruction_feat_dim"]
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_width,
+            "intermediate_size": 2 * text_width,
+            "num_hidden_layers": 2,  # two, so multi-layer feature extraction has layers to pick
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 8192,
+            # M-RoPE sections (t, h, w) must sum to head_dim / 2.
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "out_hidden_size": text_width,  # vision tokens land in the text stream
+            "num_position_embeddings": 16,  # a 4x4 grid; must be a perfect square
+            "deepstack_visual_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def _write_processor(folder: Path) -> None:
+    """Fabricate a Qwen3-VL processor: byte-level BPE tokenizer, Pillow image processor, chat template."""
+    vocab, merges = _train_byte_level_bpe()
+    for token in QWEN_SPECIAL_TOKENS:  # after the regular vocabulary, as in Qwen's
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.padding_side = "right"
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        # Tiny bounds keep images to at most 16 patches (4 image tokens); Qwen3-VL's own mean/std.
+        min_pixels=32 * 32,
+        max_pixels=64 * 64,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    processor = ImageOnlyQwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
+    processor.save_pretrained(str(folder))
+
+
+def _train_byte_level_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A small byte-level BPE (Qwen's tokenizer family), trained here on a fixed corpus.
+
+    Every byte is in the vocabulary, so any text round-trips exactly. The merges come from
+    Boogu's two system prompts and a few prompt-like sentences, which makes templated prompts
+    about five times shorter than one token per byte (56 instead of 304 tokens for the TI2I
+    system prompt), and every forward of the tiny models cheaper. Training is deterministic.
+    """
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    bpe.train_from_iterator([SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I, *_BPE_CORPUS], trainer)
+    model = json.loads(bpe.to_str())["model"]
+    # tokenizers writes merges as [a, b] pairs (older versions: "a b" strings); Qwen2Tokenizer wants tuples.
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return dict(model["vocab"]), merges
+
+
+def _write_scheduler(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    _write_json(folder / "scheduler_config.json", RELEASED_SCHEDULER_CONFIG)
+    (folder / "scheduling_flow_match_euler_discrete_time_shifting.py").write_text(
+        SCHEDULER_SHIM, encoding="utf-8"
+    )
+
+
+def _resolve_source(source_model: str | os.PathLike[str] | None) -> Path | None:
+    explicit = source_model is not None
+    if not explicit:
+        source_model = os.environ.get("SOURCE_MODEL") or None
+        if source_model is None:
+            return None
+    source = Path(source_model).expanduser()
+    if not source.is_dir():
+        if not explicit:
+            logger.warning(
+                "SOURCE_MODEL=%s is not a local folder; fabricating processor/ and scheduler/ instead",
+                source_model,
+            )
+            return None
+        raise FileNotFoundError(
+            f"source_model {os.fspath(source_model)!r} is not a local folder. Point it at a local Boogu "
+            "snapshot (only processor/ and scheduler/ are read, e.g. after `hf download "
+            "Boogu/Boogu-Image-0.1-Base --include 'processor/*' 'scheduler/*' --local-dir DIR`), "
+            "or leave it unset to fabricate them."
+        )
+    for required in ("processor", "scheduler/scheduler_config.json"):
+        if not (source / required).exists():
+            raise FileNotFoundError(f"source model {source}: missing {required}")
+    return source.absolute()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

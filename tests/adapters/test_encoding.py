@@ -1,0 +1,215 @@
+"""Prompt and image encoding on the tiny checkpoint, checked against upstream's conventions (spec §9)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+from PIL import Image
+
+from boogu_adapters.encoding import (
+    PromptEmbeds,
+    decode_latents,
+    encode_prompts,
+    encode_reference_images,
+    fit_size,
+    latents_to_vae,
+    num_instruction_feature_layers,
+    preprocess_reference_image,
+    resolve_output_size,
+    vae_to_latents,
+)
+
+# Digests of upstream's two system prompts, from spec boogu-model.md §9.1: the test does not
+# trust any copy of the prompt text, only what reaches the tokenizer.
+T2I_SHA256 = "1c3cf6989807dc33333dd5e5d711673562f39ae3f5974ad9556d609bf3944e9b"
+TI2I_SHA256 = "4b2e8ed6183d7c55a3cc9af5fd0f051ffe6afff4a84e41c1ba706380e24b8862"
+CHATML = re.compile(
+    r"<\|im_start\|>system\n(.*)<\|im_end\|>\n<\|im_start\|>user\n(.*)<\|im_end\|>\n", re.DOTALL
+)
+
+
+def _decode_row(parts, embeds: PromptEmbeds, row: int) -> str:
+    ids = embeds.input_ids[row][embeds.attention_mask[row] == 1]
+    return parts.processor.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _split_turns(text: str) -> tuple[str, str]:
+    match = CHATML.fullmatch(text)
+    assert match is not None, f"not Boogu's ChatML layout: {text!r}"
+    return match.group(1), match.group(2)
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def test_template_text_reaches_the_tokenizer_byte_exact(tiny_parts) -> None:
+    instructions = ['A neon sign that says "Café 24/7"', "line one\nline two, ünïcödé 文字 🙂", "x"]
+    embeds = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, instructions)
+    for row, instruction in enumerate(instructions):
+        system, user = _split_turns(_decode_row(tiny_parts, embeds, row))
+        assert user == instruction
+        assert _sha(system) == T2I_SHA256
+    # Two turns, no generation prompt (the full match above already ends at the user turn).
+    assert all(
+        _decode_row(tiny_parts, embeds, row).count("<|im_start|>") == 2 for row in range(len(instructions))
+    )
+
+
+def test_t2i_negative_carries_the_ti2i_system_prompt(tiny_parts) -> None:
+    # Upstream's pipeline default: an empty instruction is encoded with the TI2I prompt even in T2I.
+    embeds = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["a red bicycle", "", " \t"])
+    systems = [_split_turns(_decode_row(tiny_parts, embeds, row))[0] for row in range(3)]
+    assert [_sha(s) for s in systems] == [T2I_SHA256, TI2I_SHA256, TI2I_SHA256]
+
+
+def test_batch_is_right_padded_and_rows_are_independent(tiny_parts) -> None:
+    short, long = "a cat", "a very long instruction about a poster with many words on it"
+    batch = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, [short, long])
+    alone = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, [short])
+    mask = batch.attention_mask
+    assert mask.dtype == torch.int64 and mask.shape == batch.input_ids.shape
+    assert batch.hidden_states.shape == (*mask.shape, tiny_parts.text_encoder.config.text_config.hidden_size)
+    assert batch.hidden_states.dtype == torch.float32
+    length = int(alone.attention_mask.sum())
+    assert mask[0, :length].all() and not mask[0, length:].any()  # ones, then zeros: right padding
+    assert mask[1].all()
+    pad_id = tiny_parts.processor.tokenizer.pad_token_id
+    assert (batch.input_ids[0, length:] == pad_id).all()
+    # Causal attention plus right padding: the short prompt's features do not see the padding.
+    torch.testing.assert_close(batch.hidden_states[0, :length], alone.hidden_states[0], rtol=1e-5, atol=1e-5)
+
+
+def test_several_feature_layers(tiny_parts) -> None:
+    one = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["a cat", ""])
+    two = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["a cat", ""], num_feature_layers=2)
+    assert isinstance(two.hidden_states, list) and len(two.hidden_states) == 2
+    # The last entry of the hidden-state tuple is last_hidden_state (after the final norm).
+    torch.testing.assert_close(two.hidden_states[-1], one.hidden_states, rtol=0, atol=0)
+    assert not torch.equal(two.hidden_states[0], two.hidden_states[1])
+    with pytest.raises(ValueError, match="returns only"):
+        encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["a"], num_feature_layers=10)
+    assert num_instruction_feature_layers(tiny_parts.transformer) == 1
+    assert (
+        num_instruction_feature_layers({"instruction_feature_configs": {"num_instruction_feature_layers": 3}})
+        == 3
+    )
+
+
+def test_vlm_images_come_first_and_follow_the_processor_sizing(tiny_parts) -> None:
+    image = _noise_image(300, 200)  # upstream would cap it at 384² first; the processor decides here
+    embeds = encode_prompts(
+        tiny_parts.text_encoder, tiny_parts.processor, ["make it blue", ""], images=[[image], None]
+    )
+    grid = tiny_parts.processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+    merge = tiny_parts.processor.image_processor.merge_size
+    n_tokens = int(grid.prod()) // merge**2
+    system, user = _split_turns(_decode_row(tiny_parts, embeds, 0))
+    assert _sha(system) == TI2I_SHA256
+    assert user == "<|vision_start|>" + "<|image_pad|>" * n_tokens + "<|vision_end|>make it blue"
+    # The text-only negative in the same batch has no image tokens.
+    assert "<|vision_start|>" not in _decode_row(tiny_parts, embeds, 1)
+
+
+def test_encode_prompts_rejects_bad_input(tiny_parts) -> None:
+    with pytest.raises(TypeError, match="not a single string"):
+        encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, "a cat")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one list per instruction"):
+        encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["a", "b"], images=[[]])
+
+
+@given(
+    height=st.integers(1, 9000),
+    width=st.integers(1, 9000),
+    max_pixels=st.integers(256, 2048 * 2048),
+    max_side=st.integers(16, 5000),
+)
+@example(height=1024, width=1024, max_pixels=2048 * 2048, max_side=4096)
+@example(height=3000, width=2000, max_pixels=2048 * 2048, max_side=4096)
+@example(height=5000, width=100, max_pixels=2048 * 2048, max_side=4096)
+def test_fit_size_matches_upstream_rule(height: int, width: int, max_pixels: int, max_side: int) -> None:
+    # Independent float64 reference of BooguImageProcessor.get_new_height_width.
+    ratio = min((max_pixels / (height * width)) ** 0.5, max_side / max(height, width), 1.0)
+    want = (int(height * ratio) // 16 * 16, int(width * ratio) // 16 * 16)
+    if 0 in want:
+        with pytest.raises(ValueError, match="smaller than 16 px"):
+            fit_size(height, width, max_pixels=max_pixels, max_side_length=max_side)
+        return
+    got = fit_size(height, width, max_pixels=max_pixels, max_side_length=max_side)
+    assert got == want
+    assert got[0] % 16 == 0 and got[1] % 16 == 0
+    assert got[0] <= height and got[1] <= width  # never upsampled
+
+
+def test_fit_size_examples() -> None:
+    assert fit_size(1024, 1024) == (1024, 1024)
+    assert fit_size(1000, 1000) == (992, 992)
+    assert fit_size(3000, 2000) == (2496, 1664)  # area clamp to 2048²
+    assert fit_size(5000, 100) == (4096, 80)  # side clamp to 4096
+
+
+def test_resolve_output_size() -> None:
+    assert resolve_output_size() == (1024, 1024)
+    assert resolve_output_size(1000, 1000) == (992, 992)
+    assert resolve_output_size(3000, 3000) == (2048, 2048)  # area clamp, no side clamp
+    assert resolve_output_size(8192, 512) == (8192, 512)  # the 4096 side cap is not applied to outputs
+    # An edit follows its reference's VAE size, whatever was requested.
+    assert resolve_output_size(1024, 1024, reference_latents=torch.zeros(16, 8, 10)) == (64, 80)
+
+
+def test_preprocess_reference_image() -> None:
+    image = _noise_image(32, 48)
+    pixels = preprocess_reference_image(image)
+    assert pixels.shape == (1, 3, 32, 48) and pixels.dtype == torch.float32
+    want = torch.from_numpy(np.asarray(image).astype(np.float64) / 255.0 * 2.0 - 1.0).permute(2, 0, 1)
+    torch.testing.assert_close(pixels[0].double(), want, rtol=0, atol=1e-6)
+    # Resized to multiples of 16 (Lanczos), greyscale promoted to RGB.
+    assert preprocess_reference_image(_noise_image(70, 90).convert("L")).shape == (1, 3, 64, 80)
+
+
+def test_reference_latents_are_seeded_and_scaled(tiny_parts) -> None:
+    vae = tiny_parts.vae
+    image = _noise_image(70, 90)
+    first = encode_reference_images(vae, [image], generator=torch.Generator().manual_seed(1))
+    again = encode_reference_images(vae, [image], generator=torch.Generator().manual_seed(1))
+    other = encode_reference_images(vae, [image], generator=torch.Generator().manual_seed(2))
+    assert first[0].shape == (16, 8, 10)  # 70x90 -> 64x80 pixels -> 8x10 latents
+    torch.testing.assert_close(first[0], again[0], rtol=0, atol=0)
+    assert not torch.equal(first[0], other[0])
+    mode = encode_reference_images(vae, [image], sample=False)[0]
+    with torch.no_grad():
+        posterior = vae.encode(preprocess_reference_image(image)).latent_dist
+    torch.testing.assert_close(mode, (posterior.mean[0] - 0.1159) * 0.3611, rtol=1e-6, atol=1e-6)
+    assert resolve_output_size(reference_latents=first[0]) == (64, 80)
+
+
+def test_latent_scaling_round_trip(tiny_parts) -> None:
+    vae = tiny_parts.vae
+    z = torch.randn(2, 16, 4, 4, generator=torch.Generator().manual_seed(0))
+    latents = vae_to_latents(vae, z)
+    torch.testing.assert_close(latents, (z - 0.1159) * 0.3611, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(latents_to_vae(vae, latents), z, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_latents_to_uint8(tiny_parts) -> None:
+    vae = tiny_parts.vae
+    latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    images = decode_latents(vae, latents)
+    assert images.shape == (2, 3, 64, 64) and images.dtype == torch.uint8
+    with torch.no_grad():
+        decoded = vae.decode(latents / 0.3611 + 0.1159).sample.double()
+    want = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round()
+    # float32 vs float64 rounding can move a pixel sitting on a .5 boundary by one level.
+    assert (images.double() - want).abs().max() <= 1
+    assert images.float().std() > 0

@@ -1,0 +1,254 @@
+"""The tiny random checkpoint builder: layout, idempotence, force, verbatim copies, atomicity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from boogu_adapters import tiny
+from boogu_adapters.loading import load_schedule_config
+from boogu_adapters.model import get_freqs_cis
+from boogu_adapters.tiny import MARKER_NAME, ensure_tiny_checkpoint, is_complete_tiny_checkpoint, main
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def _leftovers(target: Path) -> list[str]:
+    """Hidden staging or retired siblings a build may have left next to ``target``."""
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
+
+
+def _fake_source(root: Path, processor_from: Path) -> Path:
+    """A Boogu snapshot stand-in: real-looking processor/, a scheduler config with keys a
+    diffusers round trip would not keep, and weight shards that are not loadable at all."""
+    shutil.copytree(processor_from, root / "processor")
+    (root / "processor" / "NOTICE").write_text("copied verbatim\n")
+    (root / "scheduler").mkdir(parents=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(
+        '{"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.35.2",\n'
+        ' "do_shift": true, "dynamic_time_shift": false, "num_train_timesteps": 1000,\n'
+        ' "seq_len": 4096, "time_shift_version": "v1", "time_shift_v2_half_scaling_factor": 30.0,\n'
+        ' "boogu_only": {"kept": [1, 2, 3]}}'
+    )
+    (root / "scheduler" / "scheduling_flow_match_euler_discrete_time_shifting.py").write_text(
+        "# upstream shim\n"
+    )
+    (root / "transformer").mkdir()
+    (root / "transformer" / "diffusion_pytorch_model-00001-of-00003.safetensors").write_bytes(
+        b"not a tensor file"
+    )
+    (root / "mllm").mkdir()
+    (root / "mllm" / "model-00001-of-00004.safetensors").write_bytes(b"not a tensor file")
+    return root
+
+
+def test_layout(tiny_checkpoint: Path) -> None:
+    assert is_complete_tiny_checkpoint(tiny_checkpoint)
+    index = json.loads((tiny_checkpoint / "model_index.json").read_text())
+    assert index["_class_name"] == "BooguImagePipeline"
+    assert index["transformer"] == ["transformer_boogu", "BooguImageTransformer2DModel"]
+    assert index["vae"] == ["diffusers", "AutoencoderKL"]
+    assert index["mllm"] == ["transformers", "Qwen3VLForConditionalGeneration"]
+    assert index["scheduler"] == [
+        "scheduling_flow_match_euler_discrete_time_shifting",
+        "FlowMatchEulerDiscreteScheduler",
+    ]
+
+    transformer = tiny_checkpoint / "transformer"
+    config = json.loads((transformer / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModel": "transformer_boogu.BooguImageTransformer2DModel"}
+    shim = (transformer / "transformer_boogu.py").read_text()
+    assert "from boogu.models.transformers.transformer_boogu import BooguImageTransformer2DModel" in shim
+    assert "from boogu_adapters.model import BooguImageTransformer2DModel" in shim
+    weight_map = json.loads((transformer / "diffusion_pytorch_model.safetensors.index.json").read_text())[
+        "weight_map"
+    ]
+    assert len(set(weight_map.values())) >= 2  # sharded, like the release
+
+    # The Qwen3-VL text width is the transformer's instruction feature width.
+    mllm = json.loads((tiny_checkpoint / "mllm" / "config.json").read_text())
+    assert mllm["text_config"]["hidden_size"] == config["instruction_feature_configs"]["instruction_feat_dim"]
+
+    vae = json.loads((tiny_checkpoint / "vae" / "config.json").read_text())
+    assert (vae["latent_channels"], len(vae["block_out_channels"])) == (16, 4)
+    assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)
+
+    scheduler = json.loads((tiny_checkpoint / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler == {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "_diffusers_version": "0.35.2",
+        "do_shift": True,
+        "dynamic_time_shift": False,
+        "num_train_timesteps": 1000,
+        "seq_len": 4096,
+        "time_shift_version": "v1",
+    }
+
+
+def test_builds_fast(tiny_build: tuple[Path, float]) -> None:
+    assert tiny_build[1] < 20.0
+
+
+def test_weights_are_random_and_outputs_non_zero(tiny_parts) -> None:
+    transformer = tiny_parts.transformer
+    # Upstream zero-initialises adaLN and the output head; the builder randomises them.
+    zero = [name for name, p in transformer.named_parameters() if not p.detach().abs().sum() > 0]
+    assert zero == []
+    latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, 5, transformer.config.instruction_feature_configs["instruction_feat_dim"])
+    freqs = get_freqs_cis(transformer.config.axes_dim_rope, transformer.config.axes_lens, 10000)
+    with torch.no_grad():
+        velocity = transformer(
+            latents, torch.tensor([0.5]), features, freqs, torch.ones(1, 5, dtype=torch.int64)
+        )
+    assert velocity.shape == latents.shape
+    assert velocity.abs().mean() > 1e-3
+
+
+def test_fabricated_processor_loads_through_auto_processor(tiny_checkpoint: Path) -> None:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(
+        str(tiny_checkpoint / "processor"), trust_remote_code=True, local_files_only=True
+    )
+    assert type(processor).__name__ == "ImageOnlyQwen3VLProcessor"
+    text = 'a sign that says "OPEN", ünïcödé 文字'
+    ids = processor.tokenizer(text)["input_ids"]
+    assert processor.tokenizer.decode(ids) == text
+    specials = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|image_pad|>",
+        "<|vision_end|>",
+    ]
+    assert all(len(processor.tokenizer(s)["input_ids"]) == 1 for s in specials)
+
+
+def test_is_idempotent(tiny_checkpoint: Path) -> None:
+    before = {p: p.stat().st_mtime_ns for p in tiny_checkpoint.rglob("*") if p.is_file()}
+    assert ensure_tiny_checkpoint(tiny_checkpoint) == tiny_checkpoint
+    after = {p: p.stat().st_mtime_ns for p in tiny_checkpoint.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_force_rebuilds_deterministically(checkpoint_copy: Path) -> None:
+    before = _tensors(checkpoint_copy / "transformer")
+    marker_inode = (checkpoint_copy / MARKER_NAME).stat().st_ino
+    assert ensure_tiny_checkpoint(checkpoint_copy, force=True) == checkpoint_copy
+    assert (checkpoint_copy / MARKER_NAME).stat().st_ino != marker_inode  # really rebuilt
+    assert is_complete_tiny_checkpoint(checkpoint_copy)
+    after = _tensors(checkpoint_copy / "transformer")
+    assert set(after) == set(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)  # same seed, same weights
+    assert _leftovers(checkpoint_copy) == []
+
+    ensure_tiny_checkpoint(checkpoint_copy, force=True, seed=7)
+    reseeded = _tensors(checkpoint_copy / "transformer")
+    assert not all(torch.equal(reseeded[name], before[name]) for name in before)
+
+
+@pytest.mark.parametrize("via", ["argument", "environment"])
+def test_copies_processor_and_scheduler_verbatim(
+    via: str, tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _fake_source(tmp_path / "snapshot", tiny_checkpoint / "processor")
+    target = tmp_path / "out" / "Boogu-Image"
+    if via == "environment":
+        monkeypatch.setenv("SOURCE_MODEL", str(source))
+        ensure_tiny_checkpoint(target)
+    else:
+        monkeypatch.delenv("SOURCE_MODEL", raising=False)
+        ensure_tiny_checkpoint(target, source_model=source)
+
+    for folder in ("processor", "scheduler"):
+        copied = sorted(p.relative_to(target / folder) for p in (target / folder).rglob("*"))
+        original = sorted(p.relative_to(source / folder) for p in (source / folder).rglob("*"))
+        assert copied == original
+        for relative in original:
+            if (source / folder / relative).is_file():
+                assert (target / folder / relative).read_bytes() == (source / folder / relative).read_bytes()
+    # The source's weight shards were neither read (they are garbage) nor copied.
+    assert b"not a tensor file" not in b"".join(p.read_bytes() for p in target.rglob("*.safetensors"))
+    # Keys that only the Boogu scheduler knows, and a key nobody models, reach the loader.
+    schedule = load_schedule_config(target)
+    assert schedule.time_shift_v2_half_scaling_factor == 30.0
+    assert schedule.extra["boogu_only"] == {"kept": [1, 2, 3]}
+    assert json.loads((target / MARKER_NAME).read_text())["source_model"] == str(source.absolute())
+
+
+def test_bad_source_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        ensure_tiny_checkpoint(tmp_path / "a", source_model=tmp_path / "nowhere")
+    (tmp_path / "snapshot" / "processor").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"missing scheduler/scheduler_config\.json"):
+        ensure_tiny_checkpoint(tmp_path / "b", source_model=tmp_path / "snapshot")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # A hub id in SOURCE_MODEL (the reference integration's default) is not a folder: fabricate.
+    monkeypatch.setenv("SOURCE_MODEL", "Boogu/Boogu-Image-0.1-Base")
+    assert is_complete_tiny_checkpoint(ensure_tiny_checkpoint(tmp_path / "c"))
+    assert "not a local folder" in caplog.text
+
+
+def test_failure_leaves_nothing_that_passes_as_complete(
+    tmp_path: Path, checkpoint_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(tiny, "_write_vae", crash)
+    target = tmp_path / "fresh" / "Boogu-Image"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        ensure_tiny_checkpoint(target)
+    assert not target.exists()
+    assert _leftovers(target) == []
+
+    # A forced rebuild that fails keeps the previous checkpoint, untouched.
+    before = {p: p.read_bytes() for p in checkpoint_copy.rglob("*") if p.is_file()}
+    with pytest.raises(RuntimeError, match="injected failure"):
+        ensure_tiny_checkpoint(checkpoint_copy, force=True)
+    assert {p: p.read_bytes() for p in checkpoint_copy.rglob("*") if p.is_file()} == before
+    assert _leftovers(checkpoint_copy) == []
+
+
+def test_incomplete_folders(checkpoint_copy: Path, tmp_path: Path) -> None:
+    # Everything but the marker (what a non-atomic builder could leave) is not complete...
+    (checkpoint_copy / MARKER_NAME).unlink()
+    assert not is_complete_tiny_checkpoint(checkpoint_copy)
+    # ...and a folder the builder did not write is never replaced, not even with force.
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match="refusing to replace it"):
+            ensure_tiny_checkpoint(checkpoint_copy, force=force)
+    assert (checkpoint_copy / "model_index.json").is_file()
+    # An empty folder is simply filled.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert is_complete_tiny_checkpoint(ensure_tiny_checkpoint(empty))
+
+
+def test_default_path_expands_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("SOURCE_MODEL", raising=False)
+    path = ensure_tiny_checkpoint()
+    assert path == tmp_path / "models" / "tiny-random" / "Boogu-Image"
+    assert is_complete_tiny_checkpoint(path)
+
+
+def test_cli(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--output-dir", str(tiny_checkpoint)]) == 0
+    assert capsys.readouterr().out.strip() == str(tiny_checkpoint)
+    assert main(["--output-dir", str(tmp_path / "x"), "--source-model", str(tmp_path / "nowhere")]) == 2
+    assert "not a local folder" in capsys.readouterr().err
