@@ -1,21 +1,174 @@
-"""The ``trainer`` command (the FlowGRPO loop lands in the trainer issue; for now: help and version)."""
+"""``trainer``: FlowGRPO LoRA training for Boogu-Image.
+
+trainer                                   the CPU demo (tiny random checkpoint, built-in prompts)
+trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
+trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
+trainer [RECIPE.yaml] --print-config      print the resolved config and exit
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import time
+from pathlib import Path
+
+import yaml
 
 from boogu_trainer import __version__
+from boogu_trainer.config import (
+    ConfigError,
+    TrainerConfig,
+    config_reference_markdown,
+    config_to_dict,
+    demo_config,
+    load_config,
+)
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="trainer",
+        description="FlowGRPO LoRA post-training for Boogu-Image. Without a recipe: the CPU demo.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (key=value overrides; see the README for the full reference):\n"
+        + "\n".join(_key_lines()),
+    )
+    parser.add_argument(
+        "args", nargs="*", metavar="RECIPE.yaml | key=value", help="a YAML recipe and/or overrides"
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--config-reference", action="store_true", help="print the config reference as Markdown"
+    )
+    parser.add_argument("--version", action="version", version=f"boogu-trainer {__version__}")
+    ns = parser.parse_args(argv)
+    recipe = None
+    overrides = []
+    for a in ns.args:
+        if "=" in a:
+            overrides.append(a)
+        elif recipe is None:
+            recipe = a
+        else:
+            parser.error(f"more than one recipe given: {recipe!r} and {a!r}")
+    return ns, recipe, overrides
+
+
+def _key_lines() -> list[str]:
+    from boogu_trainer._configlib import describe
+
+    return [f"  {key:34s} {doc}" for key, tp, _, doc in describe(TrainerConfig) if tp != "section"]
+
+
+def _fresh_run_dir(config: TrainerConfig) -> TrainerConfig:
+    """A fresh run never overwrites a run that has checkpoints: it moves to ``name_1``, ``name_2``, ..."""
+    from boogu_trainer.checkpoint import complete_checkpoints
+
+    if config.resume or not complete_checkpoints(config.run_path / "checkpoints"):
+        return config
+    base = config.logging.name
+    i = 1
+    while complete_checkpoints(Path(config.logging.run_dir).expanduser() / f"{base}_{i}" / "checkpoints"):
+        i += 1
+    new = load_config(None, [f"logging.name={base}_{i}"], base=config)
+    print(
+        f"note: {config.run_path} already has checkpoints; this fresh run writes to {new.run_path} "
+        f"(pass resume=auto to continue the old one)"
+    )
+    return new
+
+
+def _quiet_libraries() -> None:
+    """Library progress bars and config chatter would bury the run's own progress line."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="trainer",
-        description="FlowGRPO post-training for Boogu-Image (LoRA). The training loop is not built yet.",
+    ns, recipe, overrides = _parse(sys.argv[1:] if argv is None else argv)
+    if ns.config_reference:
+        print(config_reference_markdown())
+        return 0
+    try:
+        config = load_config(recipe, overrides, base=None if recipe else demo_config())
+    except ConfigError as e:
+        print(f"trainer: config error: {e}", file=sys.stderr)
+        return 2
+    if ns.print_config:
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        return 0
+    logging.basicConfig(
+        level=os.environ.get("BOOGU_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
-    parser.add_argument("--version", action="version", version=f"boogu-trainer {__version__}")
-    parser.parse_args(argv)
-    parser.print_help()
+    return run(config, demo=recipe is None)
+
+
+def run(config: TrainerConfig, *, demo: bool = False) -> int:
+    from boogu_trainer.distributed import DistEnv
+    from boogu_trainer.loop import Trainer, TrainingStopped, resolve_device, summarize_rewards
+
+    _quiet_libraries()
+    device = resolve_device(config.model.device)
+    dist = DistEnv.from_environment(config.distributed.backend, device.type)
+    config = _fresh_run_dir(config) if dist.world_size == 1 else config
+    main_rank = dist.is_main
+    if main_rank:
+        what = (
+            "demo: tiny random Boogu checkpoint, built-in prompts"
+            if demo
+            else f"model {config.model.path or 'tiny'}"
+        )
+        print(
+            f"boogu-trainer {__version__} | {what} | {config.total_steps} steps | outputs: {config.run_path}"
+        )
+    t0 = time.perf_counter()
+    trainer = Trainer(config, dist=dist)
+    if config.resume:
+        folder = trainer.resume(config.resume)
+        if main_rank:
+            print(
+                f"resumed from {folder} at step {trainer.step}"
+                if folder
+                else "no checkpoint yet: starting fresh"
+            )
+    bar = None
+    if main_rank and config.logging.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
+
+    def progress(step: int, record: dict) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward/mean']:.4f}", s_per_step=f"{record['time/step']:.1f}")
+
+    try:
+        history = trainer.train(progress)
+    except TrainingStopped as e:
+        print(f"trainer: stopped: {e}", file=sys.stderr)
+        return 3
+    finally:
+        if bar is not None:
+            bar.close()
+        dist.close()
+    if main_rank:
+        s = summarize_rewards(history)
+        verdict = "up" if s["gain"] > 2 * s["stderr"] else "not clearly up"
+        print(
+            f"\nreward, first {s['window']} steps: {s['first']:.4f} | last {s['window']} steps: {s['last']:.4f} | "
+            f"gain {s['gain']:+.4f} (2 x std err = {2 * s['stderr']:.4f}): {verdict}"
+        )
+        print(f"done in {time.perf_counter() - t0:.0f} s. outputs in {config.run_path}:")
+        for name in ("metrics.jsonl", "reward_curve.png", "samples/", "checkpoints/", "config.yaml"):
+            print(f"  {config.run_path / name}")
     return 0
 
 

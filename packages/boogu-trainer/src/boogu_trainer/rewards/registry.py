@@ -1,0 +1,158 @@
+"""Reward registry: built-in rewards by name, a user's own reward by import path.
+
+``build_reward(name, **kwargs)`` resolves ``name`` as follows:
+
+* a registered name (``available_rewards()``): its factory is called with ``kwargs``;
+* ``"package.module:attribute"`` (a dotted attribute path after the colon is allowed), a user's
+  own reward, with this rule:
+
+  - a **class** is instantiated with ``kwargs``; the instance is the reward and must be callable
+    as ``instance(images, records)``;
+  - any other **callable** is the reward itself; ``kwargs`` are passed on every call, as
+    ``fn(images, records, **kwargs)``. A factory that returns a reward function can be used by
+    making it a class (or a registered factory, see ``register_reward``).
+
+  Its output may be a tensor, a NumPy array or a sequence of numbers, one per image; it is
+  checked and converted to a ``(B,)`` float32 tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from boogu_data import PromptRecord
+from boogu_trainer.rewards.base import RewardError, RewardFn, check_batch, scores_tensor
+
+__all__ = ["CallableReward", "available_rewards", "build_reward", "load_user_reward", "register_reward"]
+
+RewardFactory = Callable[..., RewardFn]
+F = TypeVar("F", bound=RewardFactory)
+
+_REGISTRY: dict[str, RewardFactory] = {}
+
+
+def register_reward(name: str) -> Callable[[F], F]:
+    """Decorator: register a reward factory (a class or a function returning a `RewardFn`) under ``name``.
+
+    The factory's keyword arguments are the reward's options (``build_reward(name, **kwargs)``).
+    Registering a second, different factory under a taken name raises ValueError.
+    """
+    if not isinstance(name, str) or not name or ":" in name or name != name.strip():
+        raise ValueError(
+            f"reward name must be a non-empty string without ':' or surrounding spaces, got {name!r}"
+        )
+
+    def decorator(factory: F) -> F:
+        if not callable(factory):
+            raise TypeError(
+                f"register_reward({name!r}) needs a callable factory, got {type(factory).__name__}"
+            )
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not factory:
+            raise ValueError(f"a reward named {name!r} is already registered ({_describe(existing)})")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def available_rewards() -> tuple[str, ...]:
+    """Registered reward names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def build_reward(name: str, **kwargs: Any) -> RewardFn:
+    """Build the reward ``name`` (a registered name or ``module:attribute``) with its options.
+
+    Raises ValueError for an unknown name (listing the available ones) or options the reward does
+    not take (listing the ones it does).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+    if ":" in name:
+        return load_user_reward(name, **kwargs)
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(
+            f"unknown reward {name!r}; available: {', '.join(available_rewards())}, "
+            "or a user function as 'package.module:function'"
+        )
+    _check_kwargs(name, factory, kwargs)
+    return factory(**kwargs)
+
+
+def load_user_reward(path: str, **kwargs: Any) -> RewardFn:
+    """Import a user's reward from ``"package.module:attribute"`` (see the module docstring for the rule)."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute or ":" in attribute:
+        raise ValueError(f"a user reward must be given as 'package.module:function', got {path!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {error}") from error
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"reward {path!r}: {module_name!r} has no attribute {attribute!r}") from None
+    if inspect.isclass(target):
+        _check_kwargs(path, target, kwargs)
+        instance = target(**kwargs)
+        if not callable(instance):
+            raise ValueError(f"reward {path!r}: instances of {target.__qualname__} are not callable")
+        return CallableReward(path, instance)
+    if not callable(target):
+        raise ValueError(f"reward {path!r} is a {type(target).__name__}, not a function or class")
+    if kwargs:
+        _check_kwargs(path, target, kwargs, leading=2)
+        target = functools.partial(target, **kwargs)
+    return CallableReward(path, target)
+
+
+class CallableReward:
+    """Adapts a user's callable to `RewardFn`: gives it a name and checks and converts its output."""
+
+    def __init__(self, name: str, fn: Callable[[torch.Tensor, Sequence[PromptRecord]], object]) -> None:
+        self.name = name
+        self.fn = fn
+
+    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
+        batch_size = check_batch(images, records, self.name)
+        try:
+            values = self.fn(images, records)
+        except RewardError:
+            raise
+        except Exception as error:
+            # Name the reward: a traceback from deep inside a user module does not say which
+            # configured reward it was.
+            raise RewardError(f"reward {self.name!r} raised {type(error).__name__}: {error}") from error
+        return scores_tensor(values, batch_size, self.name)
+
+    def __repr__(self) -> str:
+        return f"CallableReward({self.name!r})"
+
+
+def _check_kwargs(
+    name: str, factory: Callable[..., object], kwargs: dict[str, Any], leading: int = 0
+) -> None:
+    """Raise ValueError if ``factory`` cannot take ``kwargs`` (after ``leading`` positional arguments)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: let the call itself report
+    try:
+        signature.bind(*([None] * leading), **kwargs)
+    except TypeError as error:
+        raise ValueError(
+            f"reward {name!r}: bad options {sorted(kwargs)}: {error}; it takes {signature}"
+        ) from None
+
+
+def _describe(factory: Callable[..., object]) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"

@@ -1,0 +1,283 @@
+"""``vlm_ocr``: the reference's OCR score, read by a VLM behind an OpenAI-compatible chat endpoint.
+
+The reference (verl-omni ``genrm_ocr.py``) serves Qwen3-VL-8B-Instruct with vLLM and asks it to
+transcribe each image; this reward sends the same request (system prompt, image as a data URL,
+then the transcription prompt; temperature 0.7, top_p 0.8, max_tokens 4096 by default) to
+``{base_url}/chat/completions`` and scores the answer with `ocr_text_score`.
+
+Standard library only (``urllib``), so it adds no dependency. Unlike the reference, which waits
+forever on a dead server, every request has a timeout, transient failures (connection errors,
+timeouts, HTTP 408/429/5xx) are retried with exponential backoff, and after the last retry a
+`RewardError` names the URL and the last error. Other HTTP errors (400, 401, 404, ...) and
+malformed answers are configuration problems and fail at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import logging
+import math
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from boogu_data import PromptRecord
+from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
+from boogu_trainer.rewards.registry import register_reward
+from boogu_trainer.rewards.text_score import ocr_text_score
+
+__all__ = ["DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_SYSTEM_PROMPT", "VlmOcrReward"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "Qwen/Qwen3-VL-8B-Instruct"
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+DEFAULT_PROMPT = (
+    "Please output only the text content from the image without any additional descriptions or formatting."
+)
+
+# Statuses a server returns while overloaded or restarting: worth another try.
+_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+class _TransientError(Exception):
+    """One attempt failed in a way a later attempt may not (message only; never leaves this module)."""
+
+
+@register_reward("vlm_ocr")
+class VlmOcrReward:
+    """How well the image shows ``record.ground_truth``, read by a VLM over HTTP.
+
+    Measures: the reference's OCR score (`ocr_text_score`) of the VLM's transcription.
+    Range: [0, 1]; stochastic at the reference's temperature 0.7 (use ``temperature=0`` for a
+    deterministic judge).
+    Cost: one chat completion per image, ``concurrency`` in flight; seconds per batch on the
+    server's GPUs, almost nothing on the trainer's side (a PNG encode per image).
+
+    Options: ``base_url`` is the API root (e.g. ``http://127.0.0.1:8000/v1``); ``timeout_s`` is
+    per socket operation of one attempt; attempt k > 0 waits ``min(backoff_s * 2**(k-1),
+    backoff_max_s)`` first; ``api_key_env`` names an environment variable holding a bearer token;
+    proxies from the environment are ignored unless ``use_proxy_env`` (endpoints are usually
+    in-cluster, where an inherited ``http_proxy`` only reroutes them); ``on_error="nan"`` scores a
+    sample that still fails after the retries NaN instead of raising.
+    """
+
+    name = "vlm_ocr"
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str = DEFAULT_MODEL,
+        prompt: str = DEFAULT_PROMPT,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        temperature: float = 0.7,
+        top_p: float = 0.8,
+        max_tokens: int = 4096,
+        seed: int | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        concurrency: int = 8,
+        api_key_env: str | None = None,
+        use_proxy_env: bool = False,
+        on_error: str = "raise",
+    ) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"vlm_ocr: base_url must start with http:// or https://, got {base_url!r}")
+        base_url = base_url.rstrip("/")
+        if base_url.endswith("/chat/completions"):
+            raise ValueError(
+                f"vlm_ocr: base_url must be the API root (e.g. http://127.0.0.1:8000/v1), got {base_url!r}; "
+                "'/chat/completions' is appended"
+            )
+        _require(_is_number(timeout_s) and timeout_s > 0, "timeout_s", timeout_s, "> 0")
+        _require(_is_int(max_retries) and max_retries >= 0, "max_retries", max_retries, "an int >= 0")
+        _require(_is_number(backoff_s) and backoff_s >= 0, "backoff_s", backoff_s, ">= 0")
+        _require(_is_number(backoff_max_s) and backoff_max_s >= 0, "backoff_max_s", backoff_max_s, ">= 0")
+        _require(_is_int(concurrency) and concurrency >= 1, "concurrency", concurrency, "an int >= 1")
+        _require(_is_int(max_tokens) and max_tokens >= 1, "max_tokens", max_tokens, "an int >= 1")
+        _require(_is_number(temperature) and temperature >= 0, "temperature", temperature, ">= 0")
+        _require(_is_number(top_p) and 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
+        _require(seed is None or _is_int(seed), "seed", seed, "an int or None")
+        self.url = f"{base_url}/chat/completions"
+        self.model = model
+        self.prompt = prompt
+        self.system_prompt = system_prompt
+        self.sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
+        if seed is not None:
+            self.sampling["seed"] = seed
+        self.timeout_s = float(timeout_s)
+        self.max_retries = max_retries
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.concurrency = concurrency
+        self.on_error = check_on_error(on_error, self.name)
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key_env is not None:
+            key = os.environ.get(api_key_env, "")
+            if not key:
+                raise ValueError(f"vlm_ocr: api_key_env names {api_key_env!r}, which is unset or empty")
+            self._headers["Authorization"] = f"Bearer {key}"
+        handlers = [] if use_proxy_env else [urllib.request.ProxyHandler({})]
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def transcribe(self, images: torch.Tensor) -> list[str | None]:
+        """The VLM's answer for each ``(3, H, W)`` uint8 image (None: failed, with ``on_error="nan"``)."""
+        arrays = images_to_numpy(images)
+        if len(arrays) == 0:
+            return []
+        with ThreadPoolExecutor(min(self.concurrency, len(arrays)), thread_name_prefix="vlm_ocr") as pool:
+            futures = [pool.submit(self._transcribe_one, i, rgb) for i, rgb in enumerate(arrays)]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()  # do not start requests for a batch that already failed
+                raise
+
+    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
+        check_batch(images, records, self.name)
+        texts = self.transcribe(images)
+        scores = [
+            float("nan") if text is None else ocr_text_score(text, record.ground_truth)
+            for text, record in zip(texts, records)
+        ]
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def request_body(self, rgb: np.ndarray) -> dict[str, Any]:
+        """The chat-completion request for one ``(H, W, 3)`` uint8 RGB image."""
+        buffer = io.BytesIO()
+        # PNG: lossless, so the judge reads exactly the pixels the policy produced; level 1
+        # because the trainer's CPU time is scarcer than bytes on the wire.
+        Image.fromarray(rgb).save(buffer, format="PNG", compress_level=1)
+        data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        return {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": self.system_prompt},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url}},
+                        {"type": "text", "text": self.prompt},
+                    ],
+                },
+            ],
+            **self.sampling,
+        }
+
+    def _transcribe_one(self, index: int, rgb: np.ndarray) -> str | None:
+        body = json.dumps(self.request_body(rgb)).encode("utf-8")
+        try:
+            return self._complete(body, index)
+        except RewardError as error:
+            if self.on_error == "raise":
+                raise
+            logger.warning("%s (scored NaN)", error)
+            return None
+
+    def _complete(self, body: bytes, index: int) -> str:
+        attempts = self.max_retries + 1
+        last_error: _TransientError | None = None
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
+            try:
+                return self._post_once(body, index)
+            except _TransientError as error:
+                last_error = error
+                logger.info(
+                    "vlm_ocr: sample %d, attempt %d/%d failed: %s", index, attempt + 1, attempts, error
+                )
+        raise RewardError(
+            f"vlm_ocr: POST {self.url} failed for sample {index} after {attempts} attempt(s) "
+            f"(timeout {self.timeout_s:g} s each); last error: {last_error}"
+        )
+
+    def _post_once(self, body: bytes, index: int) -> str:
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        try:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            detail = _excerpt(_read_quietly(error))
+            error.close()
+            message = f"HTTP {error.code} {error.reason}: {detail}"
+            if error.code in _RETRYABLE_STATUS:
+                raise _TransientError(message) from None
+            raise RewardError(
+                f"vlm_ocr: POST {self.url} was rejected for sample {index}: {message}"
+            ) from None
+        except TimeoutError:
+            raise _TransientError(f"no answer within {self.timeout_s:g} s") from None
+        except urllib.error.URLError as error:
+            reason = error.reason
+            if isinstance(reason, TimeoutError):
+                raise _TransientError(f"no connection within {self.timeout_s:g} s") from None
+            raise _TransientError(f"{type(reason).__name__}: {reason}") from None
+        except (OSError, http.client.HTTPException) as error:
+            # Connection reset, server closed mid-answer, truncated body: transient.
+            raise _TransientError(f"{type(error).__name__}: {error}") from None
+        return self._parse(raw, index)
+
+    def _parse(self, raw: bytes, index: int) -> str:
+        try:
+            payload = json.loads(raw)
+            content = payload["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise RewardError(
+                f"vlm_ocr: {self.url} answered sample {index} without choices[0].message.content "
+                f"(is it an OpenAI-compatible chat endpoint?): {_excerpt(raw)}"
+            ) from None
+        if content is None:
+            return ""  # no text at all: the model saw nothing to transcribe
+        if isinstance(content, list):
+            # Some servers answer with content parts, like the request's.
+            content = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and part.get("type") == "text"
+            )
+        if not isinstance(content, str):
+            raise RewardError(
+                f"vlm_ocr: {self.url} answered sample {index} with non-text content: {_excerpt(raw)}"
+            )
+        return content
+
+
+def _require(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"vlm_ocr: {field} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_quietly(error: urllib.error.HTTPError) -> bytes:
+    try:
+        return error.read(2000)
+    except (OSError, http.client.HTTPException):
+        return b""
+
+
+def _excerpt(raw: bytes, limit: int = 300) -> str:
+    text = raw.decode("utf-8", errors="replace").strip()
+    return text if len(text) <= limit else text[:limit] + "..."
