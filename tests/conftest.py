@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Nothing in the test suite may reach a model hub.
@@ -21,3 +24,27 @@ settings.register_profile(
 )
 settings.register_profile("nightly", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """A freshly built tiny checkpoint and its build time in seconds (imports excluded)."""
+    from boogu_adapters.tiny import ensure_tiny_checkpoint  # imported before the clock starts
+
+    start = time.perf_counter()
+    path = ensure_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "Boogu-Image")
+    return path, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_build: tuple[Path, float]) -> Path:
+    """The session's tiny checkpoint folder. Tests must not modify it; copy it first."""
+    return tiny_build[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_parts(tiny_checkpoint: Path):
+    """The tiny checkpoint loaded with the native transformer, float32 on the CPU."""
+    from boogu_adapters.loading import load_boogu
+
+    return load_boogu(tiny_checkpoint, transformer="native")

@@ -11,7 +11,6 @@ import atexit
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -25,30 +24,6 @@ atexit.register(shutil.rmtree, _MODULES_CACHE, ignore_errors=True)
 def modules_cache() -> Path:
     """Where remote-code modules are copied to during this session."""
     return Path(_MODULES_CACHE)
-
-
-@pytest.fixture(scope="session")
-def tiny_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
-    """A freshly built tiny checkpoint and its build time in seconds (imports excluded)."""
-    from boogu_adapters.tiny import ensure_tiny_checkpoint  # imported before the clock starts
-
-    start = time.perf_counter()
-    path = ensure_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "Boogu-Image")
-    return path, time.perf_counter() - start
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_build: tuple[Path, float]) -> Path:
-    """The session's tiny checkpoint folder. Tests must not modify it; copy it first."""
-    return tiny_build[0]
-
-
-@pytest.fixture(scope="session")
-def tiny_parts(tiny_checkpoint: Path):
-    """The tiny checkpoint loaded with the native transformer, float32 on the CPU."""
-    from boogu_adapters.loading import load_boogu
-
-    return load_boogu(tiny_checkpoint, transformer="native")
 
 
 @pytest.fixture

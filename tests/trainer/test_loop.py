@@ -1,0 +1,185 @@
+"""Short real runs of the trainer on the tiny checkpoint: metrics, checkpoints, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from boogu_trainer.checkpoint import complete_checkpoints, load_checkpoint
+from boogu_trainer.config import load_config
+from boogu_trainer.loop import Trainer, TrainingStopped
+
+
+def small_config(tiny_checkpoint, run_dir, *overrides):
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_checkpoint}",
+            "model.device=cpu",
+            "data.prompts_per_step=2",
+            "algorithm.group_size=4",
+            "algorithm.mini_batches=2",
+            "sampler.num_steps=4",
+            "sampler.height=32",
+            "sampler.width=32",
+            "sampler.guidance_scale=2.0",
+            "sampler.noise_level=0.8",
+            "sampler.window_size=2",
+            "sampler.window_range=[0,3]",
+            "lora.rank=4",
+            "lora.alpha=8",
+            "optim.lr=1e-3",
+            "reward.rewards=[{name: demo_brightness}]",
+            "total_steps=3",
+            "checkpoint.save_every=2",
+            "checkpoint.keep_last=2",
+            f"logging.run_dir={run_dir}",
+            "logging.name=run",
+            "logging.sample_every=2",
+            "logging.progress=false",
+            "seed=3",
+            *overrides,
+        ],
+    )
+
+
+def lora_of(trainer):
+    from boogu_adapters.lora import lora_state_dict
+
+    return {k: v.detach().clone() for k, v in lora_state_dict(trainer.transformer).items()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_checkpoint, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs")
+    trainer = Trainer(small_config(tiny_checkpoint, run_dir))
+    history = trainer.train()
+    return trainer, history, run_dir / "run"
+
+
+def test_run_writes_metrics_samples_curve_and_checkpoints(finished_run):
+    trainer, history, run = finished_run
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3] == [h["step"] for h in history]
+    for key in (
+        "reward/mean",
+        "adv/std",
+        "zero_std_ratio",
+        "loss",
+        "ratio_mean",
+        "clipfrac_upper",
+        "approx_kl",
+        "grad_norm",
+        "nfe/rollout_per_image",
+        "time/rollout",
+        "time/train",
+        "images_per_s",
+        "peak_memory_gb",
+    ):
+        assert key in lines[-1], key
+    # On-policy: before the first update the training log-prob equals the rollout's exactly.
+    assert all(r["logprob_diff/step0"] == 0.0 and r["logprob_diff/step1"] == 0.0 for r in lines)
+    assert lines[0]["nfe/rollout_per_image"] == 8  # 4 steps x (positive + negative)
+    assert (run / "reward_curve.png").stat().st_size > 1000
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0001.png", "step_0002.png"]
+    assert [s for s, _ in complete_checkpoints(run / "checkpoints")] == [2, 3]
+    assert trainer.engine.weights_version == 3 and len(trainer.engine.sync_log) == 3
+
+
+def test_the_lora_changed_and_the_checkpoint_holds_it(finished_run):
+    trainer, _, run = finished_run
+    saved = load_checkpoint(run / "checkpoints" / "step_000003")
+    current = lora_of(trainer)
+    assert set(saved.lora) == set(current)
+    for k, v in current.items():
+        assert torch.equal(saved.lora[k], v)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in current.items())
+    assert saved.trainer_state["step"] == 3
+
+
+def test_checkpoint_lora_loads_with_peft_and_diffusers(finished_run, tiny_checkpoint):
+    from peft import PeftModel
+
+    from boogu_adapters.loading import load_transformer
+
+    trainer, _, run = finished_run
+    folder = run / "checkpoints" / "step_000003"
+    expected = lora_of(trainer)
+    base, _ = load_transformer(
+        tiny_checkpoint, kind="native", trust_remote_code=False, dtype=torch.float32, device="cpu"
+    )
+    peft_model = PeftModel.from_pretrained(base, folder)
+    got = {
+        k.removeprefix("base_model.model.").replace(".default", ""): v
+        for k, v in peft_model.state_dict().items()
+        if "lora_" in k
+    }
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+    base2, _ = load_transformer(
+        tiny_checkpoint, kind="native", trust_remote_code=False, dtype=torch.float32, device="cpu"
+    )
+    base2.load_lora_adapter(
+        folder, weight_name="adapter_model.safetensors", prefix="base_model.model", adapter_name="rl"
+    )
+    got2 = {k.replace(".rl", ""): v for k, v in base2.state_dict().items() if "lora_" in k}
+    assert set(got2) == set(expected) and all(torch.equal(got2[k], expected[k]) for k in expected)
+    raw = load_file(folder / "adapter_model.safetensors")
+    assert all(k.startswith("base_model.model.") for k in raw)
+
+
+def test_resume_auto_continues_exactly(finished_run, tiny_checkpoint, tmp_path):
+    trainer, history, _ = finished_run
+    # A second run stops at step 2 (its own checkpoint), then resumes to step 3.
+    short = Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=2"))
+    short.train()
+    resumed = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
+    assert resumed.resume("auto") is not None and resumed.step == 2
+    new_history = resumed.train()
+    assert [h["step"] for h in new_history] == [1, 2, 3]
+    for k, v in lora_of(trainer).items():
+        assert torch.equal(lora_of(resumed)[k], v), k
+    assert new_history[-1]["reward/mean"] == history[-1]["reward/mean"]
+
+
+def test_nonfinite_rewards_skip_then_stop_with_a_checkpoint(tiny_checkpoint, tmp_path):
+    cfg = small_config(
+        tiny_checkpoint,
+        tmp_path,
+        "reward.rewards=[{name: 'tests.trainer.reward_fakes:always_nan'}]",
+        "reward.max_nonfinite_steps=2",
+        "total_steps=5",
+    )
+    trainer = Trainer(cfg)
+    before = lora_of(trainer)
+    with pytest.raises(TrainingStopped, match="2 consecutive steps"):
+        trainer.train()
+    assert trainer.counters["skipped_updates"] == 2
+    assert all(torch.equal(v, before[k]) for k, v in lora_of(trainer).items())  # no update happened
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run" / "checkpoints")] == [1]
+
+
+def test_partly_nonfinite_rewards_train_on_the_rest(tiny_checkpoint, tmp_path):
+    cfg = small_config(
+        tiny_checkpoint,
+        tmp_path,
+        "reward.rewards=[{name: 'tests.trainer.reward_fakes:half_nan'}]",
+        "total_steps=1",
+    )
+    history = Trainer(cfg).train()
+    assert history[0]["nonfinite_rewards"] == 4 and history[0]["nonfinite_reward_samples"] == 4
+    assert history[0]["skipped_updates"] == 0 and history[0]["optimizer_steps"] >= 1
+
+
+def test_fresh_run_refuses_nothing_but_never_overwrites(tiny_checkpoint, tmp_path, capsys):
+    from boogu_trainer.cli import _fresh_run_dir
+
+    cfg = small_config(tiny_checkpoint, tmp_path, "total_steps=1")
+    Trainer(cfg).train()
+    moved = _fresh_run_dir(cfg)
+    assert moved.logging.name == "run_1" and "already has checkpoints" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "run")
