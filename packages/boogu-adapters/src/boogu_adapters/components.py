@@ -77,7 +77,7 @@ class VaeCodec:
         out = encode_reference_images(
             self.vae,
             [_decode_image(b) for b in images],
-            generator=cpu_gen if self._on_cpu else None,
+            generator=cpu_gen,
             sample=self.sample_references,
         )
         self.seconds += time.perf_counter() - t0
@@ -137,4 +137,5 @@ def build_local_engine(
         latent_channels=model.config.in_channels,
         cfg_mode=cfg_mode,
         device=device,
+        shares_module=transformer is not None,
     )

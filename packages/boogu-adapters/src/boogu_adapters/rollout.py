@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from boogu_adapters.lora import (
+    ADAPTER_NAME,
     WeightSyncError,
     check_lora_keys,
     load_lora_state_dict,
@@ -148,6 +149,8 @@ class LocalRolloutEngine:
         freqs_cis: the RoPE tables (``get_freqs_cis(axes_dim_rope, axes_lens, 10000)``).
         cfg_mode: ``"batched"`` (one forward for positive and negative) or ``"sequential"``.
         latent_channels: the transformer's ``in_channels``.
+        shares_module: the transformer is the trainer's own module (the default local set-up):
+            ``sync_weights`` then verifies instead of copying.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class LocalRolloutEngine:
         cfg_mode: CfgMode = "batched",
         device: torch.device | str | None = None,
         on_step: Callable[[int, int], None] | None = None,
+        shares_module: bool = False,
     ):
         self.transformer = transformer
         self.encode_prompts = encode_prompts
@@ -172,6 +176,7 @@ class LocalRolloutEngine:
         self.cfg_mode = cfg_mode
         self.device = torch.device(device) if device is not None else next(transformer.parameters()).device
         self.on_step = on_step
+        self.shares_module = shares_module
         self.stats = EngineStats()
         self._version = 0
         self.sync_log: list[tuple[int, str]] = []
@@ -182,24 +187,29 @@ class LocalRolloutEngine:
         return self._version
 
     def sync_weights(self, lora_state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Apply (or, when the module is shared with the trainer, verify) the LoRA weights.
+        """Apply (or, when the module is the trainer's own, verify) the LoRA weights.
 
-        The received key set must equal the module's LoRA key set, and what the module holds after
-        the sync must fingerprint equal to what was sent: a mismatch raises, never a silent no-op.
+        The received key set must equal the module's LoRA key set (a trained adapter the engine
+        does not use is an error, never a silent no-op: the reference's prefix-scoped sync lost
+        such adapters). A separate module gets the tensors loaded and must then fingerprint equal to
+        what was sent. Each sync's version and fingerprint are recorded in ``sync_log``.
         """
-        current = lora_state_dict(self.transformer)
-        check_lora_keys(set(current), set(lora_state))
-        sent = lora_fingerprint(lora_state)
-        shared = all(current[k].data_ptr() == lora_state[k].data_ptr() for k in current)
-        if not shared:
-            load_lora_state_dict(self.transformer, lora_state)
-        applied = lora_fingerprint(lora_state_dict(self.transformer))
-        if applied != sent:
-            raise WeightSyncError(f"sync v{version}: engine holds {applied}, trainer sent {sent}")
         if version <= self._version and self.sync_log:
             raise WeightSyncError(f"sync: version {version} is not newer than {self._version}")
+        expected = {
+            name.replace(f".{ADAPTER_NAME}.", ".")
+            for name, _ in self.transformer.named_parameters()
+            if "lora_" in name
+        }
+        check_lora_keys(expected, set(lora_state))
+        sent = lora_fingerprint(lora_state)
+        if not self.shares_module:
+            load_lora_state_dict(self.transformer, lora_state)
+            applied = lora_fingerprint(lora_state_dict(self.transformer))
+            if applied != sent:
+                raise WeightSyncError(f"sync v{version}: engine holds {applied}, trainer sent {sent}")
         self._version = version
-        self.sync_log.append((version, applied))
+        self.sync_log.append((version, sent))
 
     def close(self) -> None:
         self.transformer = None  # type: ignore[assignment]

@@ -6,14 +6,16 @@ loader path runs on a laptop in seconds::
     model_index.json          names BooguImagePipeline and the five components, as released
     transformer/              config.json (+ auto_map), two safetensors shards + index,
                               transformer_boogu.py (shim: upstream's class if `boogu` imports, else ours)
-    vae/                      a FLUX-style AutoencoderKL: 16 latent channels, 8x down, scale 0.3611, shift 0.1159
+    vae/                      a FLUX-style AutoencoderKL: 16 latent channels, 8x down, scale 0.3611, shift 0.1159;
+                              its decoder is initialised smooth, so decoded colours follow the latents
     mllm/                     a Qwen3VLForConditionalGeneration whose text width is the transformer's
                               instruction feature width
     processor/                tokenizer, image processor, chat template
     scheduler/                scheduler_config.json with the released Boogu keys (+ shim)
 
 Every weight is random and seeded; the transformer's zero-initialised adaLN and output head are
-randomised too, so outputs are non-zero.
+randomised too, so outputs are non-zero. The completion marker records :data:`BUILDER_VERSION`; a
+checkpoint from an older builder is rebuilt rather than reused.
 
 ``processor/`` and ``scheduler/`` are copied byte for byte from a local Boogu snapshot when one is
 given (``source_model=`` or the ``SOURCE_MODEL`` environment variable); its weight shards are never
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -53,6 +56,7 @@ from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
 
 __all__ = [
     "DEFAULT_TINY_PATH",
+    "BUILDER_VERSION",
     "MARKER_NAME",
     "ensure_tiny_checkpoint",
     "is_complete_tiny_checkpoint",
@@ -66,6 +70,12 @@ DEFAULT_TINY_PATH = "~/models/tiny-random/Boogu-Image"
 
 MARKER_NAME = ".boogu-tiny.json"
 """Written last into a finished build; a folder without it is never treated as complete."""
+
+BUILDER_VERSION = 2
+"""Bumped whenever the builder writes different weights or configs for the same arguments. A
+complete checkpoint whose marker names another version (or none: version 1) is stale and is
+rebuilt by :func:`ensure_tiny_checkpoint`, so a changed builder never silently reuses old weights.
+2: smooth, latent-following VAE decoder (see ``_init_smooth_decoder``) with one GroupNorm group."""
 
 DEFAULT_SEED = 42
 
@@ -197,7 +207,10 @@ def ensure_tiny_checkpoint(
     *,
     seed: int = DEFAULT_SEED,
 ) -> Path:
-    """Build the tiny random checkpoint at ``path`` unless a complete one is already there.
+    """Build the tiny random checkpoint at ``path`` unless a complete, current one is already there.
+
+    A complete checkpoint written by an older builder (its marker's ``builder_version`` is not
+    :data:`BUILDER_VERSION`) is rebuilt in place, with the arguments of this call.
 
     Args:
         path: target folder; ``~`` is expanded.
@@ -221,8 +234,17 @@ def ensure_tiny_checkpoint(
     target = Path(path).expanduser().absolute()
     if is_complete_tiny_checkpoint(target):
         if not force:
-            logger.info("tiny checkpoint at %s is complete; nothing to do", target)
-            return target
+            built_by = _builder_version(target)
+            if built_by == BUILDER_VERSION:
+                logger.info("tiny checkpoint at %s is complete; nothing to do", target)
+                return target
+            logger.warning(
+                "tiny checkpoint at %s was built by boogu-tiny builder version %s, this is version %d; "
+                "rebuilding it",
+                target,
+                built_by,
+                BUILDER_VERSION,
+            )
     elif target.exists() and not _is_empty_dir(target) and not (target / MARKER_NAME).is_file():
         raise FileExistsError(
             f"{target} exists and is not a tiny checkpoint built by boogu-tiny (no {MARKER_NAME}); "
@@ -234,6 +256,10 @@ def ensure_tiny_checkpoint(
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint should read like any folder
         _build(staging, source=source, seed=seed)
+        if not force and _is_current(target):
+            # Another process (e.g. a second rank) rebuilt a stale checkpoint meanwhile: keep theirs.
+            shutil.rmtree(staging, ignore_errors=True)
+            return target
         _install(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -249,6 +275,20 @@ def is_complete_tiny_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
     processor = root / "processor"
     return processor.is_dir() and any(processor.iterdir())
+
+
+def _builder_version(path: Path) -> int | None:
+    """The builder version recorded in a build's marker (1 when it records none), None if unreadable."""
+    try:
+        marker = json.loads((path / MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    version = marker.get("builder_version", 1) if isinstance(marker, dict) else None
+    return version if isinstance(version, int) else None
+
+
+def _is_current(path: Path) -> bool:
+    return is_complete_tiny_checkpoint(path) and _builder_version(path) == BUILDER_VERSION
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,6 +336,7 @@ def _build(root: Path, *, source: Path | None, seed: int) -> None:
         root / MARKER_NAME,
         {
             "builder": "boogu_adapters.tiny",
+            "builder_version": BUILDER_VERSION,
             "boogu_adapters_version": __version__,
             "seed": seed,
             "source_model": None if source is None else str(source),
@@ -355,14 +396,57 @@ def _write_vae(folder: Path, *, seed: int) -> None:
             up_block_types=["UpDecoderBlock2D"] * 4,
             block_out_channels=[8, 8, 8, 8],
             layers_per_block=1,
-            norm_num_groups=4,
+            norm_num_groups=1,  # one group: the final GroupNorm keeps the channels' relative colour shifts
             sample_size=64,
             use_quant_conv=False,  # the FLUX VAE has no quant convs
             use_post_quant_conv=False,
             scaling_factor=0.3611,
             shift_factor=0.1159,
         )
+    _init_smooth_decoder(vae.decoder, torch.Generator().manual_seed(seed))
     vae.save_pretrained(folder, safe_serialization=True)
+
+
+def _init_smooth_decoder(decoder: torch.nn.Module, generator: torch.Generator) -> None:
+    """Re-initialise a random VAE decoder so that its images follow the latents, as a trained one's do.
+
+    With PyTorch's default init a tiny random decoder is a noise whitener: every 3x3 conv mixes
+    white latent noise into more white noise, the residual branches add noise of their own, and the
+    GroupNorm before ``conv_out`` then divides the result by its (noise-dominated) spread, so the
+    decoded colours hardly depend on the latents (+1 on one latent channel moved an image's mean
+    colour by about 0.02 of the pixel range, while image-to-image spread was 0.003-0.008). Here:
+
+    - every 3x3 conv is a random channel mix (``N(0, 1/in_channels)``) times a fixed, normalised
+      binomial window ``[1, 2, 1] x [1, 2, 1]``: smoothing instead of whitening, variance-preserving;
+    - linear layers (the mid-block attention) are ``N(0, 1/fan_in)``; all biases are zero;
+    - the last layer of every residual branch (``conv2``, attention ``to_out``) is scaled by 0.1,
+      so blocks start near the identity and the latents reach ``conv_out`` along the skip paths.
+
+    Decoded images are then soft colour fields whose colours track the latents nearly linearly: a
+    latent mean shift of 0.2 (in Boogu latent units, along the best direction) moves the image
+    brightness by about 0.08 of the pixel range, against an image-to-image spread of about 0.07
+    for N(0, 1) latents, and a linear fit on the latent channel means explains about 85 % of the
+    brightness variance. This is what lets the CPU demo's image-space reward respond to a LoRA.
+    """
+    window = torch.tensor([1.0, 2.0, 1.0])
+    window = torch.outer(window, window)
+    window = window / window.norm()
+    with torch.no_grad():
+        for module in decoder.modules():
+            if isinstance(module, torch.nn.Conv2d) and module.kernel_size == (3, 3):
+                out_channels, in_channels = module.weight.shape[:2]
+                mix = torch.randn(out_channels, in_channels, generator=generator) / math.sqrt(in_channels)
+                module.weight.copy_(mix[:, :, None, None] * window)
+            elif isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+                fan_in = module.weight[0].numel()
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / math.sqrt(fan_in))
+            else:
+                continue
+            if module.bias is not None:
+                module.bias.zero_()
+        for name, module in decoder.named_modules():
+            if name.endswith(".conv2") or name.endswith(".to_out.0"):
+                module.weight.mul_(0.1)
 
 
 def _write_mllm(folder: Path, *, tokenizer_dir: Path, seed: int) -> None:

@@ -52,41 +52,66 @@ def from_peft_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def optimizer_to_files(
-    optimizer: torch.optim.Optimizer, names: list[str]
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """AdamW state keyed by parameter name (tensors) plus its hyper-parameters (JSON)."""
-    sd = optimizer.state_dict()
+    """AdamW state keyed by parameter name (full tensors, also under FSDP2) plus hyper-parameters (JSON)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
     tensors: dict[str, torch.Tensor] = {}
-    for idx, state in sd["state"].items():
+    for name, state in sd["state"].items():
         for key, value in state.items():
-            tensors[f"{names[idx]}::{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
+            tensors[f"{name}::{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
     groups = [
-        {k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
+        {k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
         for g in sd["param_groups"]
     ]
     return tensors, {"param_groups": groups, "names": names}
 
 
-def optimizer_from_files(
-    optimizer: torch.optim.Optimizer, names: list[str], tensors: Mapping[str, torch.Tensor], meta: dict
+def load_lora_and_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    contents: CheckpointContents,
+    device: torch.device,
 ) -> None:
+    """Put a checkpoint's LoRA weights (float32) and AdamW state back, also into FSDP2-sharded modules."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    meta = contents.optimizer_meta
     if meta["names"] != names:
         raise ValueError(
             "the checkpoint's optimizer was built for different LoRA parameters than this model's"
         )
-    index = {n: i for i, n in enumerate(names)}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
+    # Model keys carry peft's adapter name; the file's do not.
+    by_file_key = {n.replace(".default.", "."): n for n in names}
+    missing = sorted(set(by_file_key) - set(contents.lora))
+    unexpected = sorted(set(contents.lora) - set(by_file_key))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint LoRA keys do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    model_sd = {by_file_key[k]: v.to(device=device, dtype=torch.float32) for k, v in contents.lora.items()}
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, model_sd, options=opts)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in contents.optimizer_tensors.items():
         name, field = key.rsplit("::", 1)
-        state.setdefault(index[name], {})[field] = value
+        state.setdefault(name, {})[field] = value.to(device) if value.dim() > 0 else value
     groups = []
     for g in meta["param_groups"]:
         g = dict(g)
-        g["params"] = [index[n] for n in g["params"]]
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
         groups.append(g)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=opts)
 
 
 def rng_state() -> dict[str, torch.Tensor]:

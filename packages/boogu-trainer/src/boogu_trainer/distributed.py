@@ -73,3 +73,37 @@ class DistEnv:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+FSDP_BLOCK_LISTS = (
+    "context_refiner",
+    "noise_refiner",
+    "ref_image_refiner",
+    "double_stream_layers",
+    "single_stream_layers",
+)
+"""The transformer's block lists; each block becomes one FSDP2 unit (the reference's fsdp_layer_prefixes)."""
+
+
+def shard_transformer(transformer: torch.nn.Module, device_type: str) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` every transformer block, then the root, on a 1-D mesh of all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    units = 0
+    for name in FSDP_BLOCK_LISTS:
+        for block in getattr(transformer, name, []):
+            fully_shard(block, mesh=mesh)
+            units += 1
+    if units == 0:
+        raise ValueError(f"shard_transformer: the model has none of the block lists {FSDP_BLOCK_LISTS}")
+    fully_shard(transformer, mesh=mesh)
+    return transformer
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (collective: every rank must call it), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

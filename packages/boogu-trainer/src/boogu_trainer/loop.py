@@ -30,7 +30,7 @@ import yaml
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import BooguParts, load_boogu
-from boogu_adapters.lora import add_lora, load_lora_state_dict, lora_state_dict
+from boogu_adapters.lora import add_lora, lora_state_dict
 from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_data import PromptRecord
@@ -39,7 +39,7 @@ from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.advantages import compute_advantages
 from boogu_trainer.config import TrainerConfig, config_to_dict
 from boogu_trainer.data import PromptSampler, demo_records, load_records
-from boogu_trainer.distributed import DistEnv
+from boogu_trainer.distributed import DistEnv, full_tensor, shard_transformer
 from boogu_trainer.losses import kl_to_reference, policy_loss
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.runlog import RunLog, plot_reward_curve, sample_grid
@@ -86,6 +86,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.parts = parts if parts is not None else self._load_parts()
         self.transformer = self._prepare_transformer(self.parts.transformer)
+        if self.dist.enabled and config.distributed.fsdp:
+            shard_transformer(self.transformer, self.device.type)
         self.engine = build_local_engine(
             self.parts,
             transformer=self.transformer,
@@ -109,9 +111,7 @@ class Trainer:
             seed=config.seed,
         )
         self.ema: dict[str, torch.Tensor] | None = (
-            {k: v.detach().float().clone() for k, v in lora_state_dict(self.transformer).items()}
-            if config.ema.enabled
-            else None
+            {k: v.float().clone() for k, v in self.full_lora_state().items()} if config.ema.enabled else None
         )
         self.step = 0
         self.nonfinite_streak = 0
@@ -283,7 +283,7 @@ class Trainer:
         timings["time/sync"] = time.perf_counter() - t0
         if self.ema is not None:
             d = cfg.ema.decay
-            for k, v in lora_state_dict(self.transformer).items():
+            for k, v in self.full_lora_state().items():
                 self.ema[k].mul_(d).add_(v.detach().float(), alpha=1 - d)
 
         step_time = time.perf_counter() - t_step
@@ -329,7 +329,14 @@ class Trainer:
         return self.engine.generate(request)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor, finite: torch.Tensor) -> dict[str, Any]:
-        """Policy-gradient updates on one rollout batch; returns averaged metrics (and ``_finite``)."""
+        """Policy-gradient updates on one rollout batch; returns averaged metrics (and ``_finite``).
+
+        Mini-batch ``m`` holds the groups whose global index is ``m`` modulo the number of
+        mini-batches, so a run on several ranks updates on exactly the mini-batches a single rank
+        would. Each mini-batch's loss is a mean over all its samples; samples that carry no gradient
+        (zero advantage, non-finite reward) are skipped on a single process, where that only saves
+        compute. Under several ranks every rank runs the same forwards (FSDP collectives).
+        """
         cfg = self.config.algorithm
         n = cfg.group_size
         groups = traj.batch_size // n
@@ -337,15 +344,16 @@ class Trainer:
         acc: dict[str, list[float]] = defaultdict(list)
         logprob_diff = [0.0] * traj.window_size
         all_finite = True
-        # Mini-batches are whole groups, in rollout order (the reference does not shuffle).
-        group_chunks = [c.tolist() for c in torch.arange(groups).chunk(min(cfg.mini_batches, groups))]
+        num_mb = min(cfg.mini_batches, groups)
+        global_group = traj.group_id.cpu()[::n]  # (groups,) global group index of each local group
+        advantages = torch.where(finite.to(advantages.device), advantages, torch.zeros_like(advantages))
         for epoch in range(cfg.inner_epochs):
-            for mb, chunk in enumerate(group_chunks):
-                rows = torch.tensor([g * n + j for g in chunk for j in range(n)])
-                keep = finite[rows].to(rows.device)
-                if cfg.kl_coef == 0:  # zero-advantage samples carry no policy gradient: skip their compute
-                    keep &= advantages[rows].cpu() != 0
-                rows = rows[keep]
+            for mb in range(num_mb):
+                local_groups = (global_group % num_mb == mb).nonzero().flatten().tolist()
+                rows = torch.tensor([g * n + j for g in local_groups for j in range(n)], dtype=torch.long)
+                total_rows = rows.numel()
+                if not self.dist.enabled and cfg.kl_coef == 0:
+                    rows = rows[(advantages[rows].cpu() != 0)]  # no policy gradient there: skip the compute
                 if rows.numel() == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
@@ -368,19 +376,27 @@ class Trainer:
                         kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, cfg.kl_kind).mean()
                         loss = loss + cfg.kl_coef * kl
                         acc["kl_ref"].append(float(kl))
-                    if not torch.isfinite(loss):
-                        step_finite = False
+                    step_finite &= bool(torch.isfinite(loss))
+                    if not step_finite and not self.dist.enabled:
                         break
-                    (loss / traj.window_size).backward()
+                    # Mean over the mini-batch's samples (skipped ones count as zero), averaged over steps.
+                    scale = rows.numel() / total_rows / traj.window_size
+                    if step_finite:
+                        (loss * scale).backward()
                     acc["loss"].append(float(loss.detach()))
                     acc["policy_loss"].append(float(pl.loss.detach()))
                     for key, value in pl.metrics.items():
                         acc[key].append(value)
+                if self.dist.enabled:  # skip together: one rank's NaN must not desynchronise the others
+                    flag = torch.tensor([0.0 if step_finite else 1.0], device=self.device)
+                    step_finite = float(self.dist.all_reduce_sum(flag)) == 0.0
                 if not step_finite:
                     all_finite = False
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip)
+                grad_norm = full_tensor(
+                    torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip)
+                )
                 acc["grad_norm"].append(float(grad_norm))
                 if not torch.isfinite(grad_norm):
                     self.counters["nonfinite_grad_norm"] += 1
@@ -432,9 +448,13 @@ class Trainer:
             out[f"eval/{name}/mean"] = float(v[torch.isfinite(v)].mean())
         return out
 
+    def full_lora_state(self) -> dict[str, torch.Tensor]:
+        """The whole LoRA state (peft keys) on every rank; collective under FSDP."""
+        return {k: full_tensor(v).detach() for k, v in lora_state_dict(self.transformer).items()}
+
     def sync(self) -> None:
         """Hand the new LoRA weights to the rollout engine (verified there)."""
-        self.engine.sync_weights(lora_state_dict(self.transformer), version=self.step + 1)
+        self.engine.sync_weights(self.full_lora_state(), version=self.step + 1)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _write_samples(self, result: StepResult) -> None:
@@ -457,8 +477,8 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> ckpt.CheckpointContents:
-        tensors, meta = ckpt.optimizer_to_files(self.optimizer, self.param_names)
-        lora = {k: v.detach().float().cpu() for k, v in lora_state_dict(self.transformer).items()}
+        tensors, meta = ckpt.optimizer_to_files(self.transformer, self.optimizer, self.param_names)
+        lora = {k: v.float().cpu() for k, v in self.full_lora_state().items()}
         return ckpt.CheckpointContents(
             lora=lora,
             lora_config=self._peft_config(),
@@ -476,12 +496,8 @@ class Trainer:
         )
 
     def load_state_dict(self, contents: ckpt.CheckpointContents) -> None:
-        load_lora_state_dict(self.transformer, {k: v.to(self.device) for k, v in contents.lora.items()})
-        for name, p in self.transformer.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
-        ckpt.optimizer_from_files(
-            self.optimizer, self.param_names, contents.optimizer_tensors, contents.optimizer_meta
+        ckpt.load_lora_and_optimizer(
+            self.transformer, self.optimizer, self.param_names, contents, device=self.device
         )
         state = contents.trainer_state
         self.step = int(state["step"])

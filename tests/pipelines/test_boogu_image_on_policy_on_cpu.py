@@ -1,0 +1,130 @@
+"""The test the reference lacks: rollout and training compute the same log-probs, with the real
+tiny checkpoint (Qwen3-VL encoder, VAE, transformer with LoRA), for T2I and for edit."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from boogu_adapters.components import build_local_engine
+from boogu_adapters.loading import load_boogu
+from boogu_adapters.lora import WeightSyncError, add_lora, lora_state_dict
+from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.types import RolloutRequest
+from boogu_data import PromptRecord
+from boogu_schedule import WindowPlan
+
+
+def png(text: str, size: int = 32) -> bytes:
+    img = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(img).text((2, 10), text, fill="black")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def lora_parts(tiny_checkpoint):
+    parts = load_boogu(tiny_checkpoint, transformer="native")
+    model = add_lora(parts.transformer, rank=4, alpha=8, seed=0)
+    with torch.no_grad():  # a non-zero LoRA, so the adapted policy differs from the base
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return parts, model
+
+
+T2I = [
+    PromptRecord(instruction='A sign that says "OPEN"', ground_truth="OPEN"),
+    PromptRecord(instruction='A mug printed with "TEA"', ground_truth="TEA"),
+]
+EDIT = [
+    PromptRecord(instruction='Change the text to "SALE"', ground_truth="SALE", ref_image=png("OPEN")),
+    PromptRecord(instruction='Change the text to "TEA"', ground_truth="TEA", ref_image=png("MUG")),
+]
+
+
+@pytest.mark.parametrize("records", [T2I, EDIT], ids=["t2i", "edit"])
+@pytest.mark.parametrize("cfg_mode", ["batched", "sequential"])
+def test_training_recomputes_the_rollout_log_prob_bitwise(lora_parts, records, cfg_mode):
+    parts, model = lora_parts
+    engine = build_local_engine(parts, transformer=model, cfg_mode=cfg_mode)
+    request = RolloutRequest(
+        records,
+        group_size=3,
+        num_steps=5,
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        seed=11,
+        window=WindowPlan(kind="random", size=2, window_range=(0, 4)),
+    )
+    traj = engine.generate(request)
+    assert traj.images.shape == (6, 3, 32, 32) and traj.images.dtype == torch.uint8
+    if records is EDIT:
+        assert traj.conditioning.is_edit and engine.stats.reference_images_encoded == 2  # once per prompt
+    assert engine.stats.prompts_encoded == 3  # 2 prompts + the shared negative, once per group
+    adapter = TrainingAdapter(engine.freqs_cis)
+    for k in range(traj.window_size):
+        full = adapter.step_stats(model, traj, k)
+        assert torch.equal(full.log_prob, traj.log_prob[:, k])
+        assert torch.equal(full.mean, traj.mean[:, k])
+        part = adapter.step_stats(model, traj, k, index=[4, 1])
+        assert torch.equal(part.log_prob, traj.log_prob[[4, 1], k])
+        ref = adapter.step_stats(model, traj, k, use_adapters=False)
+        assert not torch.equal(ref.log_prob, full.log_prob)  # the reference policy differs
+
+
+def test_batched_cfg_equals_sequential_within_float_tolerance(lora_parts):
+    parts, model = lora_parts
+    request = RolloutRequest(
+        T2I,
+        group_size=2,
+        num_steps=4,
+        guidance_scale=4.0,
+        height=32,
+        width=32,
+        seed=3,
+        window=WindowPlan(kind="fixed", size=2, start=1),
+    )
+    a = build_local_engine(parts, transformer=model, cfg_mode="batched").generate(request)
+    b = build_local_engine(parts, transformer=model, cfg_mode="sequential").generate(request)
+    # Padding the shorter prompt to the longer one's length is invisible to the model (masked).
+    torch.testing.assert_close(a.latents, b.latents, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.log_prob, b.log_prob, rtol=1e-4, atol=1e-4)
+
+
+def test_same_request_same_weights_same_trajectory(lora_parts):
+    parts, model = lora_parts
+    engine = build_local_engine(parts, transformer=model)
+    request = RolloutRequest(EDIT, group_size=2, num_steps=4, height=32, width=32, seed=5)
+    a, b = engine.generate(request), engine.generate(request)
+    assert torch.equal(a.latents, b.latents) and torch.equal(a.images, b.images) and a.window == b.window
+
+
+def test_sync_weights_verifies_keys_and_values(lora_parts, tiny_checkpoint):
+    parts, model = lora_parts
+    shared = build_local_engine(parts, transformer=model)
+    state = {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
+    shared.sync_weights(state, version=1)
+    assert shared.weights_version == 1 and len(shared.sync_log) == 1
+    with pytest.raises(WeightSyncError, match="not newer"):
+        shared.sync_weights(state, version=1)
+    missing = dict(list(state.items())[1:])
+    with pytest.raises(WeightSyncError, match="1 missing"):
+        shared.sync_weights(missing, version=2)
+    extra = {**state, "x_embedder.lora_A.weight": torch.zeros(4, 4)}
+    with pytest.raises(WeightSyncError, match="1 unexpected"):
+        shared.sync_weights(extra, version=2)
+    # A separate module (e.g. another process's engine) gets the values loaded and checked.
+    other_parts = load_boogu(tiny_checkpoint, transformer="native")
+    other_model = add_lora(other_parts.transformer, rank=4, alpha=8, seed=1)
+    separate = build_local_engine(other_parts)
+    assert separate.transformer is other_model and not separate.shares_module
+    separate.sync_weights(state, version=7)
+    for k, v in lora_state_dict(other_model).items():
+        assert torch.equal(v, state[k])
+    assert separate.sync_log == [(7, shared.sync_log[0][1])]
