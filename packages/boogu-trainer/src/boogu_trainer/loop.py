@@ -192,6 +192,12 @@ class Trainer:
             result = self.train_step()
             self.step += 1
             record = {"step": self.step, **result.metrics}
+            if (
+                cfg.eval.every
+                and self.val_records
+                and (self.step % cfg.eval.every == 0 or self.step == cfg.total_steps)
+            ):
+                record.update(self.evaluate())
             if self.dist.is_main:
                 self.log.log(record)
                 plot_reward_curve(
@@ -304,6 +310,14 @@ class Trainer:
                 "skipped_updates": self.counters["skipped_updates"],
                 "nonfinite_reward_samples": self.counters["nonfinite_reward_samples"],
                 "weights_version": self.engine.weights_version,
+                "samples": traj.batch_size * self.dist.world_size,
+                "edit_samples": int(
+                    self.dist.all_reduce_sum(
+                        torch.tensor(
+                            [sum(r.ref_image is not None for r in local) * a.group_size], device=self.device
+                        )
+                    )
+                ),
             }
         )
         return StepResult(metrics=metrics, trajectory=traj, records=local)
