@@ -128,3 +128,25 @@ def test_sync_weights_verifies_keys_and_values(lora_parts, tiny_checkpoint):
     for k, v in lora_state_dict(other_model).items():
         assert torch.equal(v, state[k])
     assert separate.sync_log == [(7, shared.sync_log[0][1])]
+
+
+def test_bf16_model_float32_trajectory_and_on_policy_log_probs(tiny_checkpoint):
+    parts = load_boogu(tiny_checkpoint, transformer="native", dtype=torch.bfloat16)
+    model = add_lora(parts.transformer, rank=4, alpha=8, seed=0)
+    engine = build_local_engine(parts, transformer=model)
+    traj = engine.generate(
+        RolloutRequest(
+            T2I,
+            group_size=2,
+            num_steps=4,
+            height=32,
+            width=32,
+            seed=2,
+            window=WindowPlan(kind="fixed", size=2, start=0),
+        )
+    )
+    assert traj.latents.dtype == traj.log_prob.dtype == torch.float32
+    adapter = TrainingAdapter(engine.freqs_cis)
+    for k in range(2):
+        again = adapter.step_stats(model, traj, k)
+        torch.testing.assert_close(again.log_prob, traj.log_prob[:, k], rtol=0, atol=1e-6)

@@ -183,3 +183,15 @@ def test_fresh_run_refuses_nothing_but_never_overwrites(tiny_checkpoint, tmp_pat
     moved = _fresh_run_dir(cfg)
     assert moved.logging.name == "run_1" and "already has checkpoints" in capsys.readouterr().out
     shutil.rmtree(tmp_path / "run")
+
+
+def test_ema_follows_the_lora_and_is_checkpointed(tiny_checkpoint, tmp_path):
+    cfg = small_config(tiny_checkpoint, tmp_path, "ema.enabled=true", "ema.decay=0.5", "total_steps=1")
+    trainer = Trainer(cfg)
+    initial = lora_of(trainer)
+    trainer.train()
+    final = lora_of(trainer)
+    for k in final:
+        torch.testing.assert_close(trainer.ema[k], 0.5 * initial[k] + 0.5 * final[k])
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_000001")
+    assert saved.ema is not None and all(torch.equal(saved.ema[k], trainer.ema[k]) for k in final)

@@ -149,15 +149,11 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["local", "vllm_omni"] = "local"
-    """'local': in-process with the trained module; 'vllm_omni': separate GPU workers (its own env)."""
+    engine: Literal["local"] = "local"
+    """'local': in-process with the trained module (the only engine built so far; a vllm-omni
+    engine needs its own environment and an SDE/log-prob path that vllm-omni 0.30 lacks for Boogu)."""
     cfg_mode: Literal["batched", "sequential"] = "batched"
     """Run positive and negative prompts in one forward (batched) or two."""
-    micro_batch_size: int = 0
-    """Samples per rollout forward (0: the whole batch at once)."""
-
-    def __post_init__(self) -> None:
-        _check(self.micro_batch_size >= 0, "rollout.micro_batch_size", self.micro_batch_size, ">= 0")
 
 
 @dataclass(frozen=True)
