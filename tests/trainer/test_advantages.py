@@ -77,7 +77,7 @@ def test_policy_loss_on_policy_is_minus_mean_advantage(advs, clip):
     a = torch.tensor(advs)
     lp = torch.randn(len(advs), requires_grad=True)
     out = policy_loss(lp, lp.detach(), a, clip)
-    assert math.isclose(float(out.loss), -float(a.mean()), rel_tol=1e-5, abs_tol=1e-6)
+    assert math.isclose(float(out.loss.detach()), -float(a.mean()), rel_tol=1e-5, abs_tol=1e-6)
     out.loss.backward()
     torch.testing.assert_close(lp.grad, -a / len(advs))  # REINFORCE gradient at ratio 1
     assert out.metrics["ratio_mean"] == 1.0 and out.metrics["clipfrac"] == 0.0
@@ -91,7 +91,7 @@ def test_policy_loss_clips_outside_the_trust_region():
     out.loss.backward()
     assert new.grad.abs().max() == 0  # both pushed further in their advantage's direction: clipped
     assert out.metrics["clipfrac_upper"] == 0.5 and out.metrics["clipfrac_lower"] == 0.5
-    assert math.isclose(float(out.loss), -1.01 / 2 + 0.99 / 2, rel_tol=1e-5)
+    assert math.isclose(float(out.loss.detach()), -1.01 / 2 + 0.99 / 2, rel_tol=1e-5)
 
 
 def test_kl_kinds():

@@ -22,9 +22,11 @@ __all__ = ["BrightnessReward", "ContrastReward", "SkyReward", "TargetColorReward
 
 @register_reward("demo_brightness")
 class BrightnessReward:
-    """Demo reward: how bright the image is.
+    """Demo reward: how bright the image is (the CPU demo's reward).
 
     Measures: the mean of all pixel values over 255 (0 black, 1 white); prompts are ignored.
+    On the tiny checkpoint, whose smooth random VAE decoder maps latent shifts to colour shifts
+    nearly linearly, a rank-8 LoRA raises it by about two batch standard deviations in 30 steps.
     Range: [0, 1]; linear in every pixel, so every sample gets a graded score.
     Cost: one mean over the batch, microseconds.
     """
@@ -72,10 +74,7 @@ class ContrastReward:
     """Demo reward: how much contrast the image has.
 
     Measures: the standard deviation of all pixel values of an image over 127.5 (0 for a flat
-    image, 1 for a half-black, half-white one); prompts are ignored. A random VAE decoder
-    normalises away global colour shifts (its GroupNorms), so mean-colour rewards barely move on
-    the tiny checkpoint, while contrast follows the latent's spatial structure, which a LoRA on a
-    tiny random transformer can change within a few dozen steps.
+    image, 1 for a half-black, half-white one); prompts are ignored.
     Range: [0, 1].
     Cost: one std over the batch, microseconds.
     """
@@ -93,9 +92,7 @@ class SkyReward:
     """Demo reward: is the top of the image brighter than the bottom (a sky-over-ground layout)?
 
     Measures: ``0.5 + (mean(top half) - mean(bottom half)) / 510``, over all channels; prompts are
-    ignored. A random VAE decoder normalises away global colour shifts (its GroupNorms), so
-    mean-colour rewards barely move on the tiny checkpoint, while this spatial contrast follows
-    the latent's layout, which a LoRA on the tiny transformer (with RoPE positions) can learn.
+    ignored. Harder than the global-colour rewards: the model has to learn a spatial layout.
     Range: [0, 1]; 0.5 when both halves are equally bright.
     Cost: two means over the batch, microseconds.
     """
