@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Idle OpenMP threads must not spin on a shared 2-core machine (set before torch is imported).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -66,7 +66,10 @@ def test_training_recomputes_the_rollout_log_prob_bitwise(lora_parts, records, c
     assert traj.images.shape == (6, 3, 32, 32) and traj.images.dtype == torch.uint8
     if records is EDIT:
         assert traj.conditioning.is_edit and engine.stats.reference_images_encoded == 2  # once per prompt
-    assert engine.stats.prompts_encoded == 3  # 2 prompts + the shared negative, once per group
+    assert (engine.stats.prompts_encoded, engine.stats.negatives_encoded) == (
+        2,
+        1,
+    )  # once per group, not per sample
     adapter = TrainingAdapter(engine.freqs_cis)
     for k in range(traj.window_size):
         full = adapter.step_stats(model, traj, k)

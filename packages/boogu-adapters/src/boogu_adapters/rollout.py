@@ -98,6 +98,9 @@ class EngineStats:
     """Counters and wall times (seconds) since the engine was built."""
 
     prompts_encoded: int = 0
+    """Positive prompts encoded (once per unique prompt of a request, not per sample)."""
+    negatives_encoded: int = 0
+    """Negative prompts encoded (once per unique negative of a request)."""
     encoder_calls: int = 0
     reference_images_encoded: int = 0
     transformer_calls: int = 0
@@ -239,7 +242,7 @@ class LocalRolloutEngine:
                 negs, neg_idx = _dedupe([r.negative for r in records])
                 nh, nm = self.encode_prompts(negs, None)
                 self.stats.encoder_calls += 1
-                self.stats.prompts_encoded += len(negs)
+                self.stats.negatives_encoded += len(negs)
                 rows = torch.tensor(neg_idx, device=nh.device).repeat_interleave(group_size)
                 neg_hidden, neg_mask = nh[rows], nm[rows]
             refs = None

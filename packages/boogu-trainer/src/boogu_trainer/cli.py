@@ -8,9 +8,14 @@ trainer [RECIPE.yaml] --print-config      print the resolved config and exit
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads OpenMP: spinning idle threads make runs on a busy machine many times slower
+# (measured 33x on a shared 2-core box; benchmarks/README.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path

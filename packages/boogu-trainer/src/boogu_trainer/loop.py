@@ -304,7 +304,7 @@ class Trainer:
                 * (1 if traj.guidance_scale == 1.0 else 2)
                 * a.inner_epochs
                 * (2 if a.kl_coef > 0 else 1),
-                "encoder_calls_per_prompt": self.engine.stats.prompts_encoded
+                "prompt_encodings_per_prompt": self.engine.stats.prompts_encoded
                 / max(self.engine.stats.samples / a.group_size, 1),
                 "peak_memory_gb": _peak_memory_gb(self.device),
                 "skipped_updates": self.counters["skipped_updates"],
@@ -339,7 +339,8 @@ class Trainer:
             iteration=self.step,
             decode=True,
         )
-        self.transformer.eval()
+        if self.transformer.training:
+            self.transformer.eval()
         return self.engine.generate(request)
 
     def update(self, traj: Trajectory, advantages: torch.Tensor, finite: torch.Tensor) -> dict[str, Any]:
@@ -354,7 +355,8 @@ class Trainer:
         cfg = self.config.algorithm
         n = cfg.group_size
         groups = traj.batch_size // n
-        self.transformer.train()
+        if not self.transformer.training:
+            self.transformer.train()
         acc: dict[str, list[float]] = defaultdict(list)
         logprob_diff = [0.0] * traj.window_size
         all_finite = True
