@@ -87,14 +87,22 @@ def check_lora_keys(expected: set[str], got: set[str]) -> None:
 
 
 def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """A cheap, order-independent checksum of LoRA tensors (sums in float64 per key, hashed)."""
+    """A cheap, order-independent checksum of LoRA tensors (per key: sum, abs-sum and square-sum in
+    float64, hashed with the key and shape). One device-to-host copy for the whole state."""
+    keys = sorted(state)
+    if not keys:
+        return hashlib.sha256(b"").hexdigest()[:16]
+    stats = torch.stack(
+        [
+            torch.stack([t.double().sum(), t.double().abs().sum(), t.double().pow(2).sum()])
+            for t in (state[k].detach() for k in keys)
+        ]
+    ).cpu()
     h = hashlib.sha256()
-    for key in sorted(state):
-        t = state[key].detach()
-        stats = torch.stack([t.double().sum(), t.double().abs().sum(), (t.double() ** 2).sum()]).cpu()
+    for key, row in zip(keys, stats):
         h.update(key.encode())
-        h.update(stats.numpy().tobytes())
-        h.update(str(tuple(t.shape)).encode())
+        h.update(row.numpy().tobytes())
+        h.update(str(tuple(state[key].shape)).encode())
     return h.hexdigest()[:16]
 
 
