@@ -200,8 +200,12 @@ class Trainer:
                 record.update(self.evaluate())
             if self.dist.is_main:
                 self.log.log(record)
+                # One line per reward, plus the weighted total when there are several.
+                labels = list(self.rewards.labels)
                 plot_reward_curve(
-                    self.log.history, self.run_dir / "reward_curve.png", ["reward", *self.rewards.labels]
+                    self.log.history,
+                    self.run_dir / "reward_curve.png",
+                    ["reward", *labels] if len(labels) > 1 else ["reward"],
                 )
                 if cfg.logging.sample_every and (self.step % cfg.logging.sample_every == 0 or self.step == 1):
                     self._write_samples(result)
