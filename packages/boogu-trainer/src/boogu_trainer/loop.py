@@ -58,6 +58,8 @@ class StepResult:
     metrics: dict[str, Any]
     trajectory: Trajectory
     records: list[PromptRecord]
+    rewards: torch.Tensor | None = None
+    """(B,) this rank's weighted rewards, as scored for the update."""
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -324,7 +326,7 @@ class Trainer:
                 ),
             }
         )
-        return StepResult(metrics=metrics, trajectory=traj, records=local)
+        return StepResult(metrics=metrics, trajectory=traj, records=local, rewards=scores.total)
 
     def rollout(self, records: list[PromptRecord], group_offset: int = 0) -> Trajectory:
         s = self.config.sampler
@@ -486,10 +488,10 @@ class Trainer:
         # Spread the picks over groups so the grid shows different prompts.
         order = sorted(range(traj.batch_size), key=lambda i: (i % n, i // n))[:k]
         sample_records = [result.records[i // n] for i in order]
-        scores = self.rewards(traj.images[order], sample_records)
+        # The rewards the update used (no second scoring pass on rank 0 only).
+        totals = result.rewards[order].tolist() if result.rewards is not None else [float("nan")] * len(order)
         captions = [
-            f"{r.ground_truth or r.instruction[:40]} | r={float(s):.3f}"
-            for r, s in zip(sample_records, scores.total)
+            f"{r.ground_truth or r.instruction[:40]} | r={s:.3f}" for r, s in zip(sample_records, totals)
         ]
         folder = self.run_dir / "samples"
         folder.mkdir(exist_ok=True)
