@@ -75,8 +75,11 @@ def test_training_recomputes_the_rollout_log_prob_bitwise(lora_parts, records, c
         full = adapter.step_stats(model, traj, k)
         assert torch.equal(full.log_prob, traj.log_prob[:, k])
         assert torch.equal(full.mean, traj.mean[:, k])
+        # A subset runs GEMMs of another batch size, whose rounding differs (~2e-7 in the timestep
+        # embedder): equal within 1e-6, bitwise only for the rollout's own batch above.
         part = adapter.step_stats(model, traj, k, index=[4, 1])
-        assert torch.equal(part.log_prob, traj.log_prob[[4, 1], k])
+        torch.testing.assert_close(part.log_prob, traj.log_prob[[4, 1], k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(part.mean, traj.mean[[4, 1], k], rtol=0, atol=1e-5)
         ref = adapter.step_stats(model, traj, k, use_adapters=False)
         assert not torch.equal(ref.log_prob, full.log_prob)  # the reference policy differs
 
