@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from boogu_data import PromptRecord, ReferenceLayoutWarning, read_records, write_records
+from boogu_data import PromptRecord, ReferenceLayoutWarning, read_records, temp_path, write_records
 from boogu_data.cli import main
+from boogu_data.write import RecordWriter
 from tests.data.helpers import png, reference_edit_rows, write_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +62,63 @@ def test_convert_ocr_command_reports_invalid_input(
     )
     out = capsys.readouterr().out
     assert "skipped 1 invalid lines" in out and "line 2: no double-quoted span" in out
+
+
+def test_convert_commands_report_output_errors_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _ocr_folder(tmp_path / "in")
+    output = tmp_path / "out"
+    output.write_text("a file")
+    assert main(["convert-ocr", "--input-dir", str(source), "--output-dir", str(output)]) == 1
+    assert (
+        capsys.readouterr().err
+        == f"boogu-data: error: {output}: is a file, not a folder (expected a folder, or a path to create, for train.parquet and test.parquet)\n"
+    )
+
+    def full(self: RecordWriter, record: PromptRecord) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "write", full)
+    edit = _edit_folder(tmp_path / "edit")
+    argv = ["convert-edit-ocr", "--input-dir", str(edit), "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--image-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"boogu-data: error: {tmp_path / 'o' / 'train.parquet'}: cannot write: no space left"
+    )
+    assert list((tmp_path / "o").iterdir()) == []
+
+
+def test_convert_notes_replaced_outputs_and_removed_temporaries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _ocr_folder(tmp_path / "in")
+    output = tmp_path / "out"
+    argv = ["convert-ocr", "--input-dir", str(source), "--output-dir", str(output)]
+    assert main(argv) == 0
+    assert "note:" not in capsys.readouterr().err
+    # What a killed conversion leaves (a temp_path name whose pid is gone), and a live one's.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        ours = f"-{os.getpid()}-"
+        stale = output / temp_path(output / "train.parquet").name.replace(ours, f"-{dead.pid}-")
+        busy = output / temp_path(output / "test.parquet").name.replace(ours, f"-{live.pid}-")
+        stale.write_bytes(b"half a parquet file")
+        busy.write_bytes(b"being written")
+        assert main(argv) == 0
+        assert busy.exists() and not stale.exists()
+    finally:
+        live.kill()
+        live.wait()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"boogu-data: note: removed {stale}, left behind by a killed conversion",
+        f"boogu-data: note: replaced existing {output / 'train.parquet'}",
+        f"boogu-data: note: replaced existing {output / 'test.parquet'}",
+    ]
 
 
 def test_convert_edit_ocr_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

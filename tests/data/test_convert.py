@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from boogu_data import DatasetError, convert_edit_ocr, convert_ocr, read_records
+import boogu_data.atomic
+from boogu_data import DatasetError, OutputError, convert_edit_ocr, convert_ocr, read_records
+from boogu_data.write import RecordWriter
 from tests.data.helpers import leftovers, png
 
 # ------------------------------------------------------------------------------------ OCR (T2I)
@@ -296,3 +303,105 @@ def test_interrupted_edit_conversion_leaves_nothing(tmp_path: Path, monkeypatch:
     with pytest.raises(KeyboardInterrupt):
         convert_edit_ocr(source, tmp_path / "out", image_size=32)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------ output folder
+
+
+def test_output_dir_that_is_a_file(tmp_path: Path) -> None:
+    source = _ocr_input(tmp_path / "in", 'a "x"\n')
+    output = tmp_path / "out"
+    output.write_text("not a folder")
+    with pytest.raises(OutputError, match=rf"^{re.escape(str(output))}: is a file, not a folder"):
+        convert_ocr(source, output)
+    assert output.read_text() == "not a folder"
+    # A file higher up the path: the folder cannot be created.
+    with pytest.raises(OutputError, match="part of the path is a file, not a folder") as caught:
+        convert_ocr(source, output / "sub")
+    assert caught.value.path == str(output / "sub" / "train.parquet")
+    assert leftovers(tmp_path) == []
+
+
+def test_output_dir_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _ocr_input(tmp_path / "in", 'a "x"\n')
+    output = tmp_path / "out"
+    output.mkdir()
+    output.chmod(0o500)
+    if os.geteuid() == 0:
+        # Root ignores permission bits: refuse the temporary's creation the way the OS would.
+        def refusing_open(file, mode="r", *args, **kwargs):
+            if "x" in mode and Path(file).parent == output:
+                raise PermissionError(errno.EACCES, "Permission denied", str(file))
+            return open(file, mode, *args, **kwargs)
+
+        monkeypatch.setattr(boogu_data.atomic, "open", refusing_open, raising=False)
+    try:
+        with pytest.raises(OutputError) as caught:
+            convert_ocr(source, output)
+    finally:
+        output.chmod(0o700)
+    assert caught.value.path == str(output / "train.parquet")
+    assert f"permission denied, the folder {output} is not writable" in str(caught.value)
+    assert list(output.iterdir()) == []
+
+
+def test_disk_full_leaves_the_earlier_outputs_and_no_temporaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _ocr_input(tmp_path / "in", 'a "x"\nb "y"\n')
+    output = tmp_path / "out"
+    convert_ocr(source, output)
+    before = {p.name: p.read_bytes() for p in output.iterdir()}
+    writes = []
+    real_write = RecordWriter.write
+
+    def full(self: RecordWriter, record) -> None:
+        writes.append(record)
+        if len(writes) == 3:  # the first test row: train.parquet's temporary is complete by now
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, record)
+
+    monkeypatch.setattr(RecordWriter, "write", full)
+    with pytest.raises(OutputError, match="cannot write: no space left") as caught:
+        convert_ocr(source, output)
+    assert caught.value.path == str(output / "test.parquet")
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENOSPC
+    assert {p.name: p.read_bytes() for p in output.iterdir()} == before  # untouched, nothing added
+
+
+def test_a_killed_conversion_leaves_a_temporary_the_next_one_removes(tmp_path: Path) -> None:
+    source = _ocr_input(tmp_path / "in", 'a "x"\n')
+    output = tmp_path / "out"
+    # Killed at a named point (the first row write, after train.parquet's temporary exists).
+    code = (
+        "import os, signal, sys\n"
+        "from boogu_data import convert\n"
+        "class Killed(convert.RecordWriter):\n"
+        "    def write(self, record):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "convert.RecordWriter = Killed\n"
+        "convert.convert_ocr(sys.argv[1], sys.argv[2])\n"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", code, str(source), str(output)], capture_output=True, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    left = leftovers(output)
+    assert len(left) == 1 and left[0].startswith(".train.parquet.tmp-"), left
+
+    report = convert_ocr(source, output)
+    assert report.stale_removed == (output / left[0],)
+    assert sorted(p.name for p in output.iterdir()) == ["test.parquet", "train.parquet"]
+    assert convert_ocr(source, output).stale_removed == ()
+
+
+def test_existing_outputs_are_replaced_and_reported(tmp_path: Path) -> None:
+    source = _ocr_input(tmp_path / "in", 'a "x"\n')
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "test.parquet").write_bytes(b"from an earlier run")
+    report = convert_ocr(source, output)
+    assert [(s.split, s.replaced) for s in report.splits] == [("train", False), ("test", True)]
+    assert [r.ground_truth for r in read_records(output / "test.parquet")] == ["T"]
+    assert [s.replaced for s in convert_ocr(source, output).splits] == [True, True]
+    assert leftovers(output) == []

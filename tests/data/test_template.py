@@ -41,7 +41,7 @@ def test_drop_prompt_is_the_ti2i_prompt() -> None:
     assert (REF_T2I, REF_TI2I) == (SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I)
 
 
-# The four cells of upstream's per-encoding table (spec/boogu-model.md §9.2).
+# The four cells of upstream's per-encoding table (docs/upstream-model.md §9.2).
 @pytest.mark.parametrize(
     ("instruction", "images", "expected"),
     [

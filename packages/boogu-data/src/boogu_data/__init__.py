@@ -7,10 +7,25 @@ Depends on pyarrow and pillow only (no torch), so data preparation runs anywhere
 * :mod:`boogu_data.schema`: the T2I and edit parquet schemas.
 * :mod:`boogu_data.read` / :mod:`boogu_data.write`: validated, streaming `PromptRecord` I/O.
 * :mod:`boogu_data.convert`: the OCR and edit-OCR converters behind the ``boogu-data`` CLI.
+* :mod:`boogu_data.atomic`: atomic file and folder commits (temporary sibling, fsync, rename) and the
+  clean-up of temporaries left by killed processes, shared by every boogu package.
 """
 
+from boogu_data.atomic import (
+    AtomicOutputs,
+    atomic_file,
+    atomic_write_bytes,
+    atomic_write_text,
+    commit_folder,
+    fsync_dir,
+    owner_alive,
+    recover_folder,
+    remove_stale,
+    stage_folder,
+    temp_path,
+)
 from boogu_data.convert import ConversionReport, SplitReport, convert_edit_ocr, convert_ocr
-from boogu_data.errors import DatasetError, ReferenceLayoutWarning
+from boogu_data.errors import DatasetError, OutputError, ReferenceLayoutWarning
 from boogu_data.read import dataset_files, read_records
 from boogu_data.record import DatasetKind, PromptRecord
 from boogu_data.schema import EDIT_SCHEMA, SCHEMA_VERSION, T2I_SCHEMA, schema_for
@@ -33,20 +48,32 @@ __all__ = [
     "SYSTEM_PROMPT_T2I",
     "SYSTEM_PROMPT_TI2I",
     "T2I_SCHEMA",
+    "AtomicOutputs",
     "ConversionReport",
     "DatasetError",
     "DatasetKind",
+    "OutputError",
     "PromptRecord",
     "ReferenceLayoutWarning",
     "SplitReport",
     "__version__",
+    "atomic_file",
+    "atomic_write_bytes",
+    "atomic_write_text",
     "build_messages",
+    "commit_folder",
     "convert_edit_ocr",
     "convert_ocr",
     "dataset_files",
+    "fsync_dir",
+    "owner_alive",
     "read_records",
+    "recover_folder",
+    "remove_stale",
     "render_text",
     "schema_for",
     "select_system_prompt",
+    "stage_folder",
+    "temp_path",
     "write_records",
 ]

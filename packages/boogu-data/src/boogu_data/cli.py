@@ -7,7 +7,9 @@
     boogu-data inspect ~/data/ocr/boogu_image/train.parquet
 
 Exit status: 0 on success, 1 when the input is invalid (the message names file, line or row, and
-column), 2 for a bad command line.
+column) or the output cannot be written (a file in the way, no permission, disk full), 2 for a bad
+command line. Notes on stderr say when an existing output was replaced and when temporaries left by
+a killed conversion were removed.
 """
 
 from __future__ import annotations
@@ -129,8 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _print_report(report: ConversionReport) -> None:
+    for path in report.stale_removed:
+        print(f"boogu-data: note: removed {path}, left behind by a killed conversion", file=sys.stderr)
     for split in report.splits:
         skipped = f", skipped {split.skipped} invalid lines" if split.skipped else ""
+        if split.replaced:
+            print(f"boogu-data: note: replaced existing {split.output}", file=sys.stderr)
         print(f"{split.split}: {split.rows} rows from {split.source} -> {split.output}{skipped}")
         for reason in split.skip_reasons:
             print(f"  skipped: {reason}")

@@ -12,17 +12,21 @@ Both write ``train.parquet`` and ``test.parquet`` into the output folder and sha
 * Deterministic: the same input gives byte-identical parquet files (row order is line order, row
   ``index`` counts the rows written per split).
 * Atomic: both outputs are written under hidden temporary names in the output folder and renamed
-  only once both are complete; on any failure neither appears and no temporary file remains.
+  only once both are complete; on any failure neither appears and no temporary file remains. An
+  existing output is replaced this way (the report says so), and temporaries that a killed
+  conversion left in the output folder are removed first (the report lists them).
 * Clear errors: a bad line is a :class:`DatasetError` naming the input file and 1-based line (and
-  the JSON key). With ``skip_invalid=True`` bad lines are skipped and counted instead.
+  the JSON key). With ``skip_invalid=True`` bad lines are skipped and counted instead. An output
+  folder that is a file or not writable, or a full disk, is an :class:`OutputError` naming the path.
 
-The output layout is the reference integration's (spec/flowgrpo-reference.md §5), minus its
+The output layout is the reference integration's (docs/reference-integration.md §5), minus its
 ``"Picture 1: "`` prefix, with ``data_source`` ``"flow_grpo/ocr"`` / ``"flow_grpo/ocr_edit"`` and
 ability ``"ocr"`` / ``"image_edit"``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -33,8 +37,8 @@ from typing import Final
 
 from PIL import Image
 
-from boogu_data._atomic import AtomicOutputs
-from boogu_data.errors import DatasetError
+from boogu_data.atomic import AtomicOutputs, remove_stale
+from boogu_data.errors import DatasetError, OutputError
 from boogu_data.images import MAX_IMAGE_PIXELS, SIZE_MULTIPLE, letterbox_png
 from boogu_data.record import DatasetKind, PromptRecord
 from boogu_data.write import RecordWriter
@@ -78,6 +82,8 @@ class SplitReport:
     """Invalid lines skipped (only with ``skip_invalid``)."""
     skip_reasons: tuple[str, ...]
     """The error messages of the first few skipped lines."""
+    replaced: bool = False
+    """Whether a file already at ``output`` was replaced (atomically)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,8 @@ class ConversionReport:
 
     splits: tuple[SplitReport, ...]
     """One report per split, in :data:`SPLITS` order."""
+    stale_removed: tuple[Path, ...] = ()
+    """Temporaries of killed writers found in the output folder and removed before writing."""
 
     @property
     def rows(self) -> int:
@@ -130,6 +138,8 @@ def convert_ocr(
         DatasetError: an input file is missing or has no valid line, or (without ``skip_invalid``) a
             line is empty, has no non-empty double-quoted span, is not UTF-8, or contains the
             ``<image>`` placeholder.
+        OutputError: ``output_dir`` is a file or not writable, or the disk is full (no output and
+            no temporary file is left behind).
     """
     input_dir = Path(input_dir)
     plan = [(split, input_dir / f"{split}.txt", None) for split in SPLITS]
@@ -191,6 +201,8 @@ def convert_edit_ocr(
         DatasetError: an input file or ``images/`` is missing, or (without ``skip_invalid``) a line
             is not a JSON object with the expected keys, names an image outside ``images/`` or a
             missing or undecodable file, or has no ground truth.
+        OutputError: ``output_dir`` is a file or not writable, or the disk is full (no output and
+            no temporary file is left behind).
     """
     if isinstance(image_size, bool) or not isinstance(image_size, int):
         raise ValueError(f"image_size must be an int, got {image_size!r}")
@@ -336,11 +348,26 @@ def _convert(
                 "missing input file",
                 expected=f"{' and '.join(s.name for _, s, _ in plan)} in {source.parent}",
             )
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputError(
+            output_dir,
+            "is a file, not a folder",
+            expected="a folder, or a path to create, for train.parquet and test.parquet",
+        )
+    try:
+        # Hidden temporaries of conversions that were killed (their pid is gone); live ones stay.
+        stale = tuple(remove_stale(output_dir))
+    except OSError as error:
+        raise _output_error(output_dir, error) from error
     reports = []
     with AtomicOutputs() as outputs:
         for split, source, limit in plan:
             output = output_dir / f"{split}.parquet"
-            writer = RecordWriter(outputs.reserve(output), kind, check_images=False)
+            replaced = os.path.lexists(output)
+            try:
+                writer = RecordWriter(outputs.reserve(output), kind, check_images=False)
+            except OSError as error:
+                raise _output_error(output, error) from error
             skipped, reasons = 0, []
             try:
                 for line, text in _lines(source):
@@ -359,8 +386,14 @@ def _convert(
                         if len(reasons) < _MAX_SKIP_EXAMPLES:
                             reasons.append(str(error))
                         continue
-                    writer.write(record)
-                writer.close()
+                    try:
+                        writer.write(record)
+                    except OSError as error:
+                        raise _output_error(output, error) from error
+                try:
+                    writer.close()
+                except OSError as error:
+                    raise _output_error(output, error) from error
             except BaseException:
                 writer.discard()
                 raise
@@ -370,6 +403,33 @@ def _convert(
                     "no valid rows" + (f" ({skipped} invalid lines skipped)" if skipped else ""),
                     expected="at least one row per split",
                 )
-            reports.append(SplitReport(split, source, output, writer.rows_written, skipped, tuple(reasons)))
-        outputs.commit()
-    return ConversionReport(tuple(reports))
+            reports.append(
+                SplitReport(split, source, output, writer.rows_written, skipped, tuple(reasons), replaced)
+            )
+        try:
+            outputs.commit()
+        except OSError as error:
+            raise _output_error(output_dir, error) from error
+    return ConversionReport(tuple(reports), stale)
+
+
+def _output_error(path: Path, error: OSError) -> OutputError:
+    """An :class:`OutputError` naming ``path`` (the output folder or file) and what the OS refused."""
+    detail = error.strerror or str(error)
+    if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        problem = f"cannot write: no space left ({detail}); the partial output was removed"
+    elif isinstance(error, PermissionError):
+        # The refused name is the folder being created or the temporary being created in a folder:
+        # either way its parent is the folder that is not writable.
+        named = error.filename
+        folder = Path(os.fsdecode(named)).parent if isinstance(named, (str, bytes, os.PathLike)) else path
+        problem = f"cannot write: permission denied, the folder {folder} is not writable"
+    elif error.errno == errno.EROFS:
+        problem = "cannot write: the file system is read-only"
+    elif isinstance(error, IsADirectoryError):
+        problem = "is a folder, not a file; remove it or choose another output folder"
+    elif isinstance(error, (NotADirectoryError, FileExistsError)):
+        problem = "cannot create the folder: part of the path is a file, not a folder"
+    else:
+        problem = f"cannot write ({type(error).__name__}: {detail})"
+    return OutputError(path, problem)

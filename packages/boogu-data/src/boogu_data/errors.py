@@ -2,14 +2,14 @@
 
 Every problem with a dataset is a :class:`DatasetError` that says where it is (file, and the line,
 row and column when they apply) and what was expected, so a user can fix the input without reading
-our code (DESIGN.md §6).
+our code (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["DatasetError", "ReferenceLayoutWarning"]
+__all__ = ["DatasetError", "OutputError", "ReferenceLayoutWarning"]
 
 
 class DatasetError(ValueError):
@@ -65,6 +65,22 @@ class DatasetError(ValueError):
 
 def _rebuild_dataset_error(path, problem, line, row, column, expected) -> DatasetError:
     return DatasetError(path, problem, line=line, row=row, column=column, expected=expected)
+
+
+class OutputError(DatasetError):
+    """An output cannot be written: its folder is a file or not writable, or the disk is full.
+
+    ``path`` is the output folder or file and ``problem`` what the operating system refused. It is
+    a :class:`DatasetError`, so everything that reports dataset problems (the ``boogu-data``
+    command) reports it too; the converters raise it only after removing their temporary files.
+    """
+
+    def __reduce__(self):  # picklable as itself, not as the base class
+        return (_rebuild_output_error, (self.path, self.problem, self.expected))
+
+
+def _rebuild_output_error(path, problem, expected) -> OutputError:
+    return OutputError(path, problem, expected=expected)
 
 
 class ReferenceLayoutWarning(UserWarning):

@@ -1,6 +1,6 @@
 """Reference-image rules: what a stored image must satisfy, and the edit converter's letterboxing.
 
-Boogu generates an edit at the reference's own size (upstream ``align_res``, spec/boogu-model.md
+Boogu generates an edit at the reference's own size (upstream ``align_res``, docs/upstream-model.md
 §9.6), and its VAE path floors sides to multiples of 16 and caps the area at 2048². A stored
 reference that already satisfies both is used as it is, so the trained resolution is the one in the
 file rather than a silently resized one.

@@ -7,7 +7,7 @@ file, the row (0-based position in the file), the column, and what was expected.
 
 Files written by the reference integration read as they are. Its edit converter writes the user turn
 as ``"Picture 1: <image>" + instruction``, a prefix copied from Qwen-Image-Edit that upstream Boogu
-never uses (spec/flowgrpo-reference.md §9, item 6); the reader strips it and warns once per call.
+never uses (docs/reference-integration.md §9, item 6); the reader strips it and warns once per call.
 """
 
 from __future__ import annotations

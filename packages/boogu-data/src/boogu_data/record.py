@@ -75,7 +75,7 @@ class PromptRecord:
         return build_messages(self.instruction, 1 if image is None else [image])
 
     def negative_messages(self) -> list[Message]:
-        """Chat messages for the negative encoding, which is always text-only (DESIGN.md §4.3)."""
+        """Chat messages for the negative encoding, always text-only (docs/conventions.md, item 3)."""
         return build_messages(self.negative, 0)
 
 

@@ -1,6 +1,6 @@
 """Parquet schemas for Boogu prompt datasets (T2I and edit rows).
 
-The columns are those of the reference integration's converters (spec/flowgrpo-reference.md §5), so
+The columns are those of the reference integration's converters (docs/reference-integration.md §5), so
 files move between it and us in both directions:
 
 ========================  ============================================  =================================

@@ -4,7 +4,7 @@ Boogu-Image encodes every instruction (positive, negative, empty) as a two-turn 
 system turn holding one of two fixed prompts, and a user turn holding the reference images first and
 then the instruction text. Which system prompt is used is decided per encoding by upstream's
 ``BooguImagePipeline._apply_chat_template`` under the pipeline default
-``system_prompt_follows_task_type=False`` (spec/boogu-model.md §9.2):
+``system_prompt_follows_task_type=False`` (docs/upstream-model.md §9.2):
 
 =========================  ====================  ==============
 images in this encoding?   instruction empty?    system prompt

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from boogu_data._atomic import AtomicOutputs
+from boogu_data.atomic import AtomicOutputs
 from boogu_data.images import check_image
 from boogu_data.record import DatasetKind, PromptRecord
 from boogu_data.schema import EXTRA_INFO_TYPE, IMAGES_TYPE, MESSAGES_TYPE, REWARD_MODEL_TYPE, schema_for
@@ -36,7 +36,7 @@ class RecordWriter:
     """Streams records of one kind into a parquet file at ``path`` (usually a temporary path).
 
     Call :meth:`write` per record and :meth:`close` once; the caller owns atomicity (see
-    :func:`write_records` and :class:`boogu_data._atomic.AtomicOutputs`).
+    :func:`write_records` and :class:`boogu_data.atomic.AtomicOutputs`).
     """
 
     def __init__(
