@@ -28,7 +28,7 @@ RELEASED_N10 = [1.0, 0.966, 0.9266, 0.8805, 0.8257, 0.7595, 0.678, 0.5751, 0.441
 
 
 def upstream_timesteps(cfg: dict, n: int, num_tokens: int | None) -> np.ndarray:
-    """Independent re-statement of upstream's ``set_timesteps`` in numpy float32 (spec §8.2)."""
+    """Upstream's ``set_timesteps``, re-stated independently in numpy float32 (docs/upstream-model.md §8.2)."""
     t = np.linspace(0, 1, n + 1, dtype=np.float32)[:-1]
 
     def lin(x):

@@ -16,7 +16,7 @@ SAMPLERS = ["flow_sde", "cps", "dance_sde"]
 
 
 def reference_kernel(sampler: str, x, v, sigma: float, sigma_next: float, eta: float):
-    """(mean, std) in float64, written from the formulas (flow-grpo reference spec §1.5)."""
+    """(mean, std) in float64, written from the formulas (docs/reference-integration.md §2)."""
     x, v = x.double(), v.double()
     dt = sigma_next - sigma
     if sampler == "flow_sde":

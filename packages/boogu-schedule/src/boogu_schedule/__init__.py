@@ -28,6 +28,7 @@ from boogu_schedule.sde import (
     gaussian_kl,
     sde_step,
 )
+from boogu_schedule.seeding import derive_seed
 from boogu_schedule.window import (
     SdeWindow,
     WindowKind,
@@ -54,6 +55,7 @@ __all__ = [
     "boogu_sigmas",
     "boogu_time",
     "boogu_timesteps",
+    "derive_seed",
     "double_guidance",
     "euler_step_boogu",
     "fixed_window",

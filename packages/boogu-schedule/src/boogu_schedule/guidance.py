@@ -53,7 +53,7 @@ def double_guidance(
 
     ``cond + (tg - 1) * (cond - drop_text) + (ig - 1) * (drop_text - drop_all)``, where
     ``drop_text`` keeps the reference latents with the negative instruction and ``drop_all`` removes
-    both (boogu-model spec §9.8). Upstream's optional empty-instruction term is not modelled.
+    both (docs/upstream-model.md §9.7). Upstream's optional empty-instruction term is not modelled.
     """
     return (
         v_cond

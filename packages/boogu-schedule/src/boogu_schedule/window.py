@@ -73,21 +73,57 @@ class SdeWindow:
         return levels
 
 
+class WindowPlanError(ValueError):
+    """A window setting that cannot work over N steps; ``field`` names the `WindowPlan` field to
+    change (``size``, ``window_range``, ``start``, ``stride``, ``every``) or ``num_steps``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _check_bounds(window_range: tuple[int, int] | None) -> None:
+    if window_range is not None and not (0 <= window_range[0] <= window_range[1]):
+        raise WindowPlanError(
+            "window_range", f"window_range must satisfy 0 <= lo <= hi, got {tuple(window_range)}"
+        )
+
+
 def _check_range(num_steps: int, size: int, window_range: tuple[int, int] | None) -> tuple[int, int]:
     if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        raise WindowPlanError("num_steps", f"num_steps must be >= 1, got {num_steps}")
     if size < 0:
-        raise ValueError(f"window size must be >= 0, got {size}")
+        raise WindowPlanError("size", f"window size must be >= 0, got {size}")
+    _check_bounds(window_range)
     lo, hi = (0, num_steps - 1) if window_range is None else window_range
-    if not (0 <= lo <= hi):
-        raise ValueError(f"window_range must satisfy 0 <= lo <= hi, got {window_range}")
     hi = min(hi, num_steps - 1)  # the last step is never stochastic
     if size > hi - lo:
-        raise ValueError(
+        raise WindowPlanError(
+            "size",
             f"a window of size {size} does not fit in range [{lo}, {hi}) over {num_steps} steps "
-            f"(the last step is excluded)"
+            f"(the last step is excluded)",
         )
     return lo, hi
+
+
+def _check_fixed(num_steps: int, size: int, start: int) -> None:
+    if size < 0:
+        raise WindowPlanError("size", f"window size must be >= 0, got {size}")
+    if start < 0:
+        raise WindowPlanError("start", f"a fixed window's start must be >= 0, got {start}")
+    if size > 0 and start + size > num_steps - 1:
+        raise WindowPlanError(
+            "size" if size > num_steps - 1 else "start",
+            f"a fixed window [{start}, {start + size}) over {num_steps} steps covers the last step "
+            f"({num_steps - 1}), which must stay deterministic: need start + size <= {num_steps - 1}",
+        )
+
+
+def _check_progression(stride: int, every: int) -> None:
+    if stride < 1:
+        raise WindowPlanError("stride", f"progressive window: stride must be >= 1, got {stride}")
+    if every < 1:
+        raise WindowPlanError("every", f"progressive window: every must be >= 1, got {every}")
 
 
 def full_window(num_steps: int, noise_level: float) -> SdeWindow:
@@ -96,9 +132,8 @@ def full_window(num_steps: int, noise_level: float) -> SdeWindow:
 
 
 def fixed_window(num_steps: int, size: int, start: int, noise_level: float) -> SdeWindow:
-    window = SdeWindow(start, start + size, noise_level)
-    window.validate(num_steps)
-    return window
+    _check_fixed(num_steps, size, start)
+    return SdeWindow(start, start + size, noise_level)
 
 
 def random_window(
@@ -124,10 +159,9 @@ def progressive_window(
     every: int = 1,
 ) -> SdeWindow:
     """MixGRPO's sliding window: start ``lo + (iteration // every) * stride``, wrapping in range."""
-    if stride < 1 or every < 1 or iteration < 0:
-        raise ValueError(
-            f"progressive window: need stride >= 1, every >= 1, iteration >= 0; got {stride}, {every}, {iteration}"
-        )
+    if iteration < 0:
+        raise ValueError(f"progressive window: iteration must be >= 0, got {iteration}")
+    _check_progression(stride, every)
     lo, hi = _check_range(num_steps, size, window_range)
     positions = hi - size - lo + 1
     start = lo + ((iteration // every) * stride) % positions
@@ -154,6 +188,20 @@ class WindowPlan:
         object.__setattr__(self, "scope", WindowScope(self.scope))
         if self.window_range is not None:
             object.__setattr__(self, "window_range", tuple(self.window_range))
+
+    def validate(self, num_steps: int) -> None:
+        """Raise `WindowPlanError` unless every window this plan can choose over ``num_steps`` steps
+        fits with the last step excluded: the checks `one` makes at each call, made once up front
+        (the trainer's config calls this when it loads). ``stride`` and ``every`` must be >= 1
+        whatever the kind."""
+        _check_progression(self.stride, self.every)
+        _check_bounds(self.window_range)
+        if self.size is None:
+            return
+        if self.kind is WindowKind.FIXED:
+            _check_fixed(num_steps, self.size, self.start)
+        else:
+            _check_range(num_steps, self.size, self.window_range)
 
     def one(
         self, num_steps: int, noise_level: float, generator: torch.Generator, iteration: int
