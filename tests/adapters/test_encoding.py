@@ -1,8 +1,12 @@
-"""Prompt and image encoding on the tiny checkpoint, checked against upstream's conventions (spec §9)."""
+"""Prompt and image encoding on the tiny checkpoint, checked against upstream's conventions.
+
+The conventions are those of ``docs/upstream-model.md`` §9.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 
 import numpy as np
@@ -12,8 +16,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from PIL import Image
 
+from boogu_adapters.components import QwenPromptEncoder
 from boogu_adapters.encoding import (
     PromptEmbeds,
+    count_prompt_tokens,
     decode_latents,
     encode_prompts,
     encode_reference_images,
@@ -25,7 +31,7 @@ from boogu_adapters.encoding import (
     vae_to_latents,
 )
 
-# Digests of upstream's two system prompts, from spec boogu-model.md §9.1: the test does not
+# Digests of upstream's two system prompts, from docs/upstream-model.md §9.1: the test does not
 # trust any copy of the prompt text, only what reaches the tokenizer.
 T2I_SHA256 = "1c3cf6989807dc33333dd5e5d711673562f39ae3f5974ad9556d609bf3944e9b"
 TI2I_SHA256 = "4b2e8ed6183d7c55a3cc9af5fd0f051ffe6afff4a84e41c1ba706380e24b8862"
@@ -127,6 +133,74 @@ def test_encode_prompts_rejects_bad_input(tiny_parts) -> None:
         encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, "a cat")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one list per instruction"):
         encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["a", "b"], images=[[]])
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# A long prompt (about 3000 characters) and Unicode beyond the tiny tokenizer's training text.
+LONG_PROMPT = " ".join(f"poster{i} saying 'Grand Opening {i}' in neon" for i in range(75))
+UNICODE_PROMPT = 'line one\nline two, ünïcödé 文字 🙂 "Café 24/7"\t'
+
+
+def test_token_counts_equal_the_real_encode_t2i(tiny_parts) -> None:
+    instructions = ["a red bicycle", "", " \t", LONG_PROMPT, UNICODE_PROMPT, "a red bicycle", "x"]
+    assert len(LONG_PROMPT) > 2500
+    encoder = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor, max_sequence_length=10**6)
+    _, mask = encoder(instructions, None)
+    want = mask.sum(dim=1).tolist()
+    assert encoder.token_counts(instructions, None) == want
+    assert encoder.token_counts(instructions, [None] * len(instructions)) == want
+    assert len(set(want)) == len(want) - 1  # only the repeated prompt repeats its count
+    # The counts need only the processor: an encoder without a text encoder gives the same.
+    assert QwenPromptEncoder(None, tiny_parts.processor).token_counts(instructions, None) == want
+
+
+def test_token_counts_equal_the_real_encode_with_reference_images(tiny_parts) -> None:
+    # The tiny image processor resizes to between 32² and 64² pixels: these sizes are enlarged,
+    # kept, shrunk, and of extreme aspect; one is greyscale, one a JPEG.
+    sizes = [(16, 16), (32, 32), (48, 80), (300, 200), (1000, 64), (64, 1000), (333, 517)]
+    images = [_png(_noise_image(h, w, seed=i)) for i, (h, w) in enumerate(sizes)]
+    images[2] = _png(_noise_image(48, 80).convert("L"))
+    jpeg = io.BytesIO()
+    _noise_image(300, 200).save(jpeg, format="JPEG")
+    images[3] = jpeg.getvalue()
+    instructions = ["make it blue", "", LONG_PROMPT, UNICODE_PROMPT, "make it blue", "add a hat", "x"]
+    # Edit rows and text-only rows in one batch, as a mixed dataset would be counted.
+    all_images = [*images, None, None]
+    all_instructions = [*instructions, "make it blue", ""]
+    encoder = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor, max_sequence_length=10**6)
+    _, mask = encoder(all_instructions, all_images)
+    want = mask.sum(dim=1).tolist()
+    assert QwenPromptEncoder(None, tiny_parts.processor).token_counts(all_instructions, all_images) == want
+    # Image tokens do count: the same text with an image is longer than without.
+    assert want[0] > want[-2]
+
+
+@given(st.lists(st.text(max_size=200), min_size=1, max_size=4))
+def test_count_prompt_tokens_equals_the_mask_sum(tiny_parts, instructions: list[str]) -> None:
+    embeds = encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, instructions)
+    assert count_prompt_tokens(tiny_parts.processor, instructions) == embeds.attention_mask.sum(1).tolist()
+
+
+@pytest.mark.parametrize("size", [(16, 16), (40, 40), (48, 80), (300, 200), (1000, 64), (4000, 3000)])
+@pytest.mark.parametrize("from_header", [True, False], ids=["resize-rule", "processor-run"])
+def test_image_tokens_from_the_size(tiny_parts, monkeypatch, size, from_header: bool) -> None:
+    processor = tiny_parts.processor
+    if not from_header:
+        # An image processor without the resize rule: the count comes from running it instead.
+        monkeypatch.delattr(type(processor.image_processor), "get_number_of_image_patches")
+    height, width = size
+    image = Image.new("RGB", (width, height))
+    other = _noise_image(32, 32)
+    embeds = encode_prompts(
+        tiny_parts.text_encoder, processor, ["a", "b c"], images=[[image], [image, other]]
+    )
+    got = count_prompt_tokens(processor, ["a", "b c"], [[size], [size, (32, 32)]])
+    assert got == embeds.attention_mask.sum(1).tolist()
 
 
 @given(

@@ -1,13 +1,16 @@
-"""Tests of our Boogu-Image transformer port (`boogu_adapters.model`, spec `boogu-model.md`).
+"""Tests of our Boogu-Image transformer port (`boogu_adapters.model`, `docs/upstream-model.md`).
 
-The model is checked against an independent float64 reference written below from the spec
-(§3-§6): one sample at a time, no padding, no batching, explicit loops for the layouts. A
-float64 copy of the model must match it to ~1e-12 and the float32 model to ~1e-6, for every
-block and for whole T2I / edit forwards. Batching, padding and reference-image handling are then
-checked as invariances, and the released parameter tree against a committed inventory.
+The model is checked against an independent float64 reference written below from that page (§3-§7;
+section numbers in this file are its): one sample at a time, no padding, no batching, explicit
+loops for the layouts. A float64 copy of the model must match it to ~1e-12 and the float32 model
+to ~1e-6, for every block and for whole T2I / edit forwards. Batching, padding and reference-image
+handling are then checked as invariances, and the released parameter tree against a committed
+inventory.
 
 Run ``uv run python tests/adapters/test_model.py --write-inventory`` to regenerate
-``released_inventory.txt`` from ``shared/spec/released_inventory.json``.
+``released_inventory.txt`` from ``shared/spec/released_inventory.json``: the released transformer config
+with its 942 tensor names and shapes, read from upstream on the meta device, kept in the project's
+``shared/`` folder beside the checkout (not in the repository; the test skips without it).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ F64 = torch.float64
 def render_inventory(spec: dict) -> str:
     """The committed inventory text for a `released_inventory.json` mapping."""
     lines = [
-        "# Boogu-Image-0.1 released transformer: state-dict inventory (spec boogu-model.md §2.3).",
+        "# Boogu-Image-0.1 released transformer: state-dict inventory (docs/upstream-model.md §2.4).",
         "# Generated from shared/spec/released_inventory.json by",
         "#   uv run python tests/adapters/test_model.py --write-inventory",
         "# Do not edit by hand. Format: one tensor per line, '<name> <comma-separated shape>'.",
@@ -96,7 +99,7 @@ def test_released_config_parameter_tree_on_meta():
 
 
 def test_init_signature_defaults_match_upstream():
-    # Spec §2.1, "signature default" column.
+    # §2.1, "signature default" column.
     expected = {
         "patch_size": 2,
         "in_channels": 16,
@@ -151,7 +154,7 @@ def test_config_validation(override, message):
 
 
 # ---------------------------------------------------------------------------- float64 reference
-# Written from the spec only; every function works on one sample, W is a float64 state dict.
+# Written from docs/upstream-model.md only; every function works on one sample, W is a float64 state dict.
 
 
 def ref_linear(x, W, name, bias=False):
@@ -213,7 +216,7 @@ def ref_adaln(x, temb, W, prefix):
 
 
 def ref_block(x, temb, W, prefix, angles, cfg):
-    """Spec §4.1; modulated unless temb is None (context refiner)."""
+    """§4.1; modulated unless temb is None (context refiner)."""
     if temb is None:
         x = x + ref_rms(
             ref_self_attention(ref_rms(x, W[prefix + "norm1.weight"]), W, prefix + "attn.", angles, cfg),
@@ -234,7 +237,7 @@ def ref_block(x, temb, W, prefix, angles, cfg):
 
 
 def ref_double_block(img, ins, temb, W, prefix, img_angles, joint_angles, cfg):
-    """Spec §4.2 and §3.7; ins holds the valid instruction tokens only."""
+    """§4.2 and §7.2; ins holds the valid instruction tokens only."""
     rms = lambda x, name: ref_rms(x, W[prefix + name + ".weight"])  # noqa: E731
     img_n1, g_msa, s_mlp, g_mlp = ref_adaln(img, temb, W, prefix + "img_norm1.")
     img_n2, sh_mlp, _, _ = ref_adaln(img, temb, W, prefix + "img_norm2.")
@@ -296,7 +299,7 @@ def ref_grid_positions(shift, rows, cols):
 
 
 def ref_timestep_embedding(t, W, scale):
-    """Spec §3.5: the sinusoid is computed in float32 (as upstream), the MLP in float64."""
+    """§3.5: the sinusoid is computed in float32 (as upstream), the MLP in float64."""
     k = torch.arange(128, dtype=torch.float32)
     frequencies = torch.exp(-math.log(10000) * k / 128)
     angles = (torch.tensor([t], dtype=torch.float32)[:, None] * frequencies[None, :]) * scale
@@ -306,7 +309,7 @@ def ref_timestep_embedding(t, W, scale):
 
 
 def ref_forward(W, cfg, target, t, instruction, references):
-    """One sample of spec §5: target (C, H, W), instruction (Lc, F) valid tokens, references [(C, h, w)]."""
+    """One sample of §5: target (C, H, W), instruction (Lc, F) valid tokens, references [(C, h, w)]."""
     p, axes, eps = cfg["patch_size"], cfg["axes_dim_rope"], 1e-5
     temb = ref_timestep_embedding(t, W, cfg["timestep_scale"])
     lc = instruction.shape[0]
@@ -317,7 +320,7 @@ def ref_forward(W, cfg, target, t, instruction, references):
         bias=True,
     )
 
-    # Positions (spec §6.2).
+    # Positions (§6.2).
     text_pos = torch.arange(lc)[:, None].repeat(1, 3)
     ref_pos, shift = [], lc
     for ref in references:
@@ -417,7 +420,7 @@ def test_fresh_model_outputs_exactly_zero_and_randomize(freqs):
     targets, t, ins, mask, refs = make_batch(0, [3, 5], [(4, 4), (4, 6)], [None, [(4, 4)]])
     with torch.no_grad():
         out = fresh(targets, t, ins, freqs, mask, refs)
-    assert all(torch.count_nonzero(o) == 0 for o in out)  # spec §12.16: zero-init head and adaLN
+    assert all(torch.count_nonzero(o) == 0 for o in out)  # §2.5: zero-init head and adaLN
 
     a = randomize_parameters(BooguImageTransformer2DModel(**TINY_CONFIG), 7)
     b = randomize_parameters(BooguImageTransformer2DModel(**TINY_CONFIG), torch.Generator().manual_seed(7))
@@ -694,7 +697,7 @@ def test_input_validation(model, freqs):
 
 
 def expected_lora_modules(cfg) -> set[str]:
-    """Module paths the spec §2.7 target list must wrap, enumerated from the module tree."""
+    """Module paths the §2.7 target list must wrap, enumerated from the module tree."""
     attention = ["to_q", "to_k", "to_v", "to_out.0"]
     ffn = ["linear_1", "linear_2", "linear_3"]
     groups = {

@@ -3,7 +3,7 @@
 Skipped unless ``BOOGU_UPSTREAM_SRC`` names a directory holding upstream's ``boogu/`` package
 (several directories may be joined with ``os.pathsep``, e.g. to add ``einops``). Upstream is
 imported from there, never installed or vendored. It runs on this workspace's torch and
-diffusers (outside upstream's pins; spec §11 [verified-run]) and on its CPU path (SDPA,
+diffusers (outside upstream's pins; docs/upstream-model.md §1) and on its CPU path (SDPA,
 ``torch.nn.RMSNorm``, pure-torch SwiGLU), which is the path we port. Example::
 
     git -C <upstream clone> archive HEAD boogu | tar -x -C /tmp/upsrc
@@ -40,7 +40,8 @@ if not UPSTREAM_SRC:
     )
 if "cuda" in os.environ.get("device", "cpu"):  # noqa: SIM112 - upstream's lower-case name
     pytest.skip(
-        "upstream reads env 'device'; its CUDA kernels round differently (spec §7)", allow_module_level=True
+        "upstream reads env 'device'; its CUDA kernels round differently (docs/upstream-model.md §3.6)",
+        allow_module_level=True,
     )
 sys.path[:0] = [p for p in UPSTREAM_SRC.split(os.pathsep) if p]
 with warnings.catch_warnings():

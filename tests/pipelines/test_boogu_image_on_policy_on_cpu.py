@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu
-from boogu_adapters.lora import WeightSyncError, add_lora, lora_state_dict
+from boogu_adapters.lora import WeightSyncError, add_lora, lora_fingerprint, lora_state_dict
 from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
@@ -113,27 +113,36 @@ def test_same_request_same_weights_same_trajectory(lora_parts):
 
 def test_sync_weights_verifies_keys_and_values(lora_parts, tiny_checkpoint):
     parts, model = lora_parts
+    # The engine that shares the trainer's module copies nothing: it checks it was handed that very
+    # module and records the version.
     shared = build_local_engine(parts, transformer=model)
-    state = {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
-    shared.sync_weights(state, version=1)
-    assert shared.weights_version == 1 and len(shared.sync_log) == 1
+    assert not shared.needs_lora_state
+    shared.sync_weights(1, module=model)
+    assert shared.weights_version == 1 and shared.sync_log == [(1, "shared")]
     with pytest.raises(WeightSyncError, match="not newer"):
-        shared.sync_weights(state, version=1)
-    missing = dict(list(state.items())[1:])
-    with pytest.raises(WeightSyncError, match="1 missing"):
-        shared.sync_weights(missing, version=2)
-    extra = {**state, "x_embedder.lora_A.weight": torch.zeros(4, 4)}
-    with pytest.raises(WeightSyncError, match="1 unexpected"):
-        shared.sync_weights(extra, version=2)
+        shared.sync_weights(1, module=model)
+    with pytest.raises(WeightSyncError, match="a different module"):
+        shared.sync_weights(2, module=torch.nn.Linear(2, 2))
+    with pytest.raises(WeightSyncError, match="no module"):
+        shared.sync_weights(2)
     # A separate module (e.g. another process's engine) gets the values loaded and checked.
+    state = {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
     other_parts = load_boogu(tiny_checkpoint, transformer="native")
     other_model = add_lora(other_parts.transformer, rank=4, alpha=8, seed=1)
     separate = build_local_engine(other_parts)
-    assert separate.transformer is other_model and not separate.shares_module
-    separate.sync_weights(state, version=7)
+    assert separate.transformer is other_model and not separate.shares_module and separate.needs_lora_state
+    with pytest.raises(WeightSyncError, match="needs the LoRA state"):
+        separate.sync_weights(7)
+    missing = dict(list(state.items())[1:])
+    with pytest.raises(WeightSyncError, match="1 missing"):
+        separate.sync_weights(7, missing)
+    extra = {**state, "x_embedder.lora_A.weight": torch.zeros(4, 4)}
+    with pytest.raises(WeightSyncError, match="1 unexpected"):
+        separate.sync_weights(7, extra)
+    separate.sync_weights(7, state)
     for k, v in lora_state_dict(other_model).items():
         assert torch.equal(v, state[k])
-    assert separate.sync_log == [(7, shared.sync_log[0][1])]
+    assert separate.sync_log == [(7, lora_fingerprint(state))]
 
 
 def test_bf16_model_float32_trajectory_and_on_policy_log_probs(tiny_checkpoint):

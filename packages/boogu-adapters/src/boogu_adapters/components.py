@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from boogu_adapters.encoding import (
+    count_prompt_tokens,
     decode_latents,
     encode_prompts,
     encode_reference_images,
@@ -58,6 +59,16 @@ class QwenPromptEncoder:
         self.seconds += time.perf_counter() - t0
         return embeds.hidden_states, embeds.attention_mask
 
+    def token_counts(self, instructions: Sequence[str], images: Sequence[bytes | None] | None) -> list[int]:
+        """The token count each prompt has in :meth:`__call__` (its attention mask's sum), without
+        running the text encoder: tokenisation only, each image sized from its header
+        (see :func:`encoding.count_prompt_tokens`). For checking a dataset against
+        ``max_sequence_length`` when it is loaded."""
+        if images is not None and len(images) != len(instructions):
+            raise ValueError(f"images has {len(images)} entries for {len(instructions)} instructions")
+        sizes = None if images is None else [None if b is None else [_pixel_size(b)] for b in images]
+        return count_prompt_tokens(self.processor, list(instructions), sizes)
+
 
 class VaeCodec:
     """The FLUX VAE as the rollout engine's :class:`~boogu_adapters.rollout.ImageCodec`."""
@@ -100,6 +111,13 @@ class VaeCodec:
 def _image_size(image: bytes) -> tuple[int, int]:
     with Image.open(io.BytesIO(image)) as im:
         return fit_size(im.height, im.width)
+
+
+def _pixel_size(image: bytes) -> tuple[int, int]:
+    """(height, width) from the image's header; Pillow decodes no pixels until asked."""
+    with Image.open(io.BytesIO(image)) as im:
+        width, height = im.size
+    return height, width
 
 
 def _decode_image(data: bytes) -> Image.Image:

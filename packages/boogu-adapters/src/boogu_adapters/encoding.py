@@ -1,6 +1,7 @@
 """Prompts to Qwen3-VL features, reference images to VAE latents, latents back to images.
 
-Everything here follows upstream's ``BooguImagePipeline`` (spec ``boogu-model.md`` §9):
+Everything here follows upstream's ``BooguImagePipeline`` (``docs/upstream-model.md`` §9; section numbers
+below refer to that page):
 
 * **Prompts** (§9.2-§9.4): each instruction becomes boogu-data's two-turn chat (system prompt by
   upstream's per-encoding rule, including the empty-instruction quirk: ``""`` gets the TI2I
@@ -36,6 +37,7 @@ __all__ = [
     "MAX_REFERENCE_SIDE",
     "SIZE_MULTIPLE",
     "PromptEmbeds",
+    "count_prompt_tokens",
     "decode_latents",
     "encode_prompts",
     "encode_reference_images",
@@ -81,7 +83,7 @@ def num_instruction_feature_layers(transformer: Any) -> int:
 
     The pipeline looks up ``instruction_feature_configs["num_instruction_feature_layers"]``
     (default 1). Upstream's transformer itself reads ``num_instruction_feat_layers``; the
-    released config only has the former (spec §12.9), so this follows the pipeline.
+    released config only has the former (§2.6), so this follows the pipeline.
     """
     config = getattr(transformer, "config", transformer)
     feature_configs = getattr(config, "instruction_feature_configs", None)
@@ -112,7 +114,7 @@ def encode_prompts(
     known, documented deviation from upstream, which first shrinks each image to at most 384²
     pixels and 768 px per side (and resizes a sample's later images to the first one's size): it
     keeps the ``<|image_pad|>`` count consistent with what the processor tokenises, as in the
-    verl-omni reference integration (spec flowgrpo-reference.md §1.9).
+    verl-omni reference integration (``docs/reference-integration.md`` §4).
 
     Args:
         text_encoder: the inner ``Qwen3VLModel`` (``BooguParts.text_encoder``).
@@ -175,6 +177,86 @@ def encode_prompts(
     )
 
 
+def count_prompt_tokens(
+    processor: Any,
+    instructions: Sequence[str | None],
+    image_sizes: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+    *,
+    chunk_size: int = 1024,
+) -> list[int]:
+    """How many tokens each prompt has in :func:`encode_prompts` (its ``attention_mask.sum(1)``), untruncated.
+
+    The same messages and ``processor.apply_chat_template`` rendering as :func:`encode_prompts`, then
+    the processor's tokenizer, but no text encoder and no pixels: the rendered text holds one
+    ``<|image_pad|>`` per image, which the processor expands to ``grid_t * grid_h * grid_w / merge²``
+    copies, so each image adds that count minus one. The grid follows from the image's size alone
+    (Qwen's smart resize, ``image_processor.get_number_of_image_patches``); an image processor
+    without that rule, or with resizing off, is run on a blank image of that size instead.
+    Identical (instruction, image count) pairs are rendered and tokenised once.
+
+    Args:
+        processor: the checkpoint's Qwen3-VL processor (``BooguParts.processor``).
+        instructions: B instructions; None is treated as ``""``.
+        image_sizes: None, or B lists (possibly empty, or None) of reference image sizes as
+            ``(height, width)`` in pixels, in the order :func:`encode_prompts` would get the images.
+        chunk_size: unique prompts rendered and tokenised per call, bounding the memory it takes.
+    """
+    if isinstance(instructions, str):
+        raise TypeError("instructions must be a sequence of strings, not a single string")
+    if image_sizes is not None and len(image_sizes) != len(instructions):
+        raise ValueError(
+            f"image_sizes has {len(image_sizes)} entries for {len(instructions)} instructions; pass one list per instruction"
+        )
+    sizes = [
+        [] if image_sizes is None or image_sizes[i] is None else list(image_sizes[i])
+        for i in range(len(instructions))
+    ]
+    keys = [("" if text is None else text, len(sizes[i])) for i, text in enumerate(instructions)]
+    unique = list(dict.fromkeys(keys))
+    text_tokens: dict[tuple[str, int], int] = {}
+    tokenizer = processor.tokenizer
+    for start in range(0, len(unique), chunk_size):
+        chunk = unique[start : start + chunk_size]
+        # Bare image items: the template renders one <|image_pad|> for each, as for real images.
+        texts = processor.apply_chat_template(
+            [build_messages(text, n) for text, n in chunk], tokenize=False, add_generation_prompt=False
+        )
+        # As the processor's apply_chat_template: no BOS added when the template already starts with one.
+        bos = tokenizer.bos_token
+        add_special_tokens = not (bos is not None and texts[0].startswith(bos))
+        ids = tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)[
+            "input_ids"
+        ]
+        text_tokens.update((key, len(row)) for key, row in zip(chunk, ids))
+    per_size: dict[tuple[int, int], int] = {}
+    counts = []
+    for key, row_sizes in zip(keys, sizes):
+        n = text_tokens[key]
+        for height, width in row_sizes:
+            size = (int(height), int(width))
+            if size not in per_size:
+                per_size[size] = _image_token_count(processor, *size)
+            n += per_size[size] - 1  # the one <|image_pad|> of the template becomes this many
+        counts.append(n)
+    return counts
+
+
+def _image_token_count(processor: Any, height: int, width: int) -> int:
+    """``<|image_pad|>`` tokens the processor puts in for one image of this size (Qwen3-VL's
+    ``replace_image_token``: the grid's product over ``merge_size²``)."""
+    image_processor = processor.image_processor
+    merge = image_processor.merge_size
+    if getattr(image_processor, "do_resize", False) and hasattr(
+        image_processor, "get_number_of_image_patches"
+    ):
+        # Qwen2-VL's image processors: smart_resize of (height, width), then (h/patch)(w/patch)
+        # patches; a still image is one temporal patch.
+        return image_processor.get_number_of_image_patches(height, width) // merge**2
+    blank = Image.new("RGB", (width, height))
+    grid = image_processor(images=[blank], return_tensors="np")["image_grid_thw"][0]
+    return int(np.prod(grid)) // merge**2
+
+
 def fit_size(
     height: int,
     width: int,
@@ -211,7 +293,7 @@ def resolve_output_size(
     vae_scale_factor: int = 8,
     max_pixels: int = MAX_REFERENCE_PIXELS,
 ) -> tuple[int, int]:
-    """The (height, width) Boogu generates at (spec §9.6).
+    """The (height, width) Boogu generates at (§9.6).
 
     With ``reference_latents`` (an edit) the output follows the reference: its VAE-preprocessed
     size, ``latent shape * vae_scale_factor``; the requested size is ignored, as upstream does
@@ -260,7 +342,7 @@ def encode_reference_images(
     """Encode reference images to scaled latents, one (C, H/8, W/8) tensor per image, in the VAE dtype.
 
     ``sample=True`` draws from the VAE posterior like upstream, but from ``generator`` rather than
-    the global RNG (upstream's draw is not reproducible, spec §12.11); ``sample=False`` takes its
+    the global RNG (upstream's draw is not reproducible, §9.5); ``sample=False`` takes its
     mode. Images are encoded one at a time because their sizes may differ.
     """
     latents = []

@@ -1,6 +1,6 @@
 """Load a Boogu-Image checkpoint folder into typed parts.
 
-A Boogu checkpoint (spec ``boogu-model.md`` §10) is a diffusers-style folder::
+A Boogu checkpoint (``docs/upstream-model.md`` §10) is a diffusers-style folder::
 
     model_index.json
     transformer/   config.json, diffusion_pytorch_model*.safetensors (+ index), transformer_boogu.py (shim)
@@ -16,7 +16,7 @@ A Boogu checkpoint (spec ``boogu-model.md`` §10) is a diffusers-style folder::
   (``canonical``: the ``transformer_boogu.py`` shim, i.e. remote code, allowed only with
   ``trust_remote_code=True``).
 * The Qwen3-VL encoder is the inner ``Qwen3VLModel``: the pipeline encodes with
-  ``mllm.model`` (spec §9), so the 0.6 B-parameter ``lm_head`` is never materialised.
+  ``mllm.model`` (``docs/upstream-model.md`` §9), so the 0.6 B-parameter ``lm_head`` is never materialised.
 * The scheduler config is read as raw JSON into :class:`boogu_schedule.BooguScheduleConfig`: a
   diffusers ``FlowMatchEulerDiscreteScheduler`` round trip silently drops the Boogu time-shift
   keys, and the class defaults (dynamic v2) differ from the released config (static v1).

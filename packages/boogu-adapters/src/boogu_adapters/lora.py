@@ -3,6 +3,17 @@
 Adapters are injected in place through peft (diffusers' ``PeftAdapterMixin.add_adapter`` does the
 same), so the trainer and the local rollout engine share one module and the state-dict keys are
 the plain module paths (``...attn.to_q.lora_A.weight``) that diffusers' ``load_lora_adapter`` reads.
+
+This module is the one place for LoRA key conventions. Three spellings of one tensor exist:
+
+* parameter name: ``blocks.0.attn.to_q.lora_A.default.weight`` (``named_parameters()``; peft puts the
+  adapter name in);
+* file key: ``blocks.0.attn.to_q.lora_A.weight`` (`lora_state_dict`, what engines and EMA use);
+* peft file key: ``base_model.model.blocks.0.attn.to_q.lora_A.weight`` (``adapter_model.safetensors``,
+  what ``PeftModel.from_pretrained`` reads).
+
+Use `is_lora_param`, `lora_file_key`, `to_peft_keys` / `from_peft_keys` and `adapter_config`
+instead of spelling them out.
 """
 
 from __future__ import annotations
@@ -18,6 +29,71 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from boogu_adapters.model import LORA_TARGET_MODULES
 
 ADAPTER_NAME = "default"
+"""peft's adapter name for the one adapter this project trains."""
+LORA_MARKER = "lora_"
+"""Every LoRA parameter name contains this (``lora_A``, ``lora_B``); base parameters never do."""
+PEFT_PREFIX = "base_model.model."
+"""What peft's ``PeftModel`` puts before the module path in ``adapter_model.safetensors``."""
+
+
+def is_lora_param(name: str) -> bool:
+    """Whether a parameter (or state-dict) name belongs to a LoRA adapter."""
+    return LORA_MARKER in name
+
+
+def lora_file_key(param_name: str) -> str:
+    """``...lora_A.default.weight`` (parameter name) -> ``...lora_A.weight`` (file key)."""
+    return param_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def lora_file_keys(module: torch.nn.Module) -> set[str]:
+    """The file keys of every LoRA parameter of ``module`` (no tensor is read)."""
+    return {lora_file_key(name) for name, _ in module.named_parameters() if is_lora_param(name)}
+
+
+def to_peft_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """File keys -> peft file keys, tensors contiguous on the CPU (ready for safetensors)."""
+    return {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def from_peft_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Peft file keys -> file keys; a key without the peft prefix is an error naming it."""
+    out = {}
+    for k, v in state.items():
+        if not k.startswith(PEFT_PREFIX):
+            raise ValueError(f"LoRA file key {k!r} lacks the peft prefix {PEFT_PREFIX!r}")
+        out[k[len(PEFT_PREFIX) :]] = v
+    return out
+
+
+def adapter_config(module: torch.nn.Module, base_model_name_or_path: str | None = None) -> dict:
+    """The injected adapter's peft ``LoraConfig`` as the JSON ``adapter_config.json`` holds.
+
+    Built from the config peft attached to ``module`` when the adapter was injected, so what is saved
+    is what was trained (rank, alpha, targets, init), never a second description of it.
+    """
+    configs = getattr(module, "peft_config", None) or {}
+    if ADAPTER_NAME not in configs:
+        raise ValueError("adapter_config: the module has no injected LoRA adapter (add_lora first)")
+    raw = configs[ADAPTER_NAME].to_dict()
+    raw["base_model_name_or_path"] = base_model_name_or_path
+    return {k: _jsonable(v) for k, v in raw.items()}
+
+
+def _jsonable(value):
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if hasattr(value, "value") and type(value).__module__.startswith("peft"):
+        return value.value  # peft's enums (PeftType, TaskType)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return _jsonable(dataclasses.asdict(value))
+    return value
 
 
 class WeightSyncError(RuntimeError):
@@ -56,7 +132,7 @@ def add_lora(
             torch.manual_seed(seed)
         inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
     for name, param in transformer.named_parameters():
-        param.requires_grad_("lora_" in name)
+        param.requires_grad_(is_lora_param(name))
     if not any(p.requires_grad for p in transformer.parameters()):
         raise ValueError(f"add_lora: no module matched target_modules={list(target_modules)}")
     return transformer
@@ -133,5 +209,5 @@ def adapters_disabled(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
             layer.enable_adapters(not disabled)
             # enable_adapters(True) re-marks adapter weights trainable; keep the base frozen as it was.
         for name, param in module.named_parameters():
-            if "lora_" not in name:
+            if not is_lora_param(name):
                 param.requires_grad_(False)

@@ -22,10 +22,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from boogu_adapters.lora import (
-    ADAPTER_NAME,
     WeightSyncError,
     check_lora_keys,
     load_lora_state_dict,
+    lora_file_keys,
     lora_fingerprint,
     lora_state_dict,
 )
@@ -38,17 +38,10 @@ from boogu_schedule import (
     SdeWindow,
     WindowScope,
     boogu_sigmas,
+    derive_seed,
     sde_step,
     to_sde_velocity,
 )
-
-
-def _mix_seed(seed: int, key: int) -> int:
-    """A 63-bit seed from (seed, key), well spread (splitmix64 finaliser)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (key + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 @runtime_checkable
@@ -57,7 +50,24 @@ class RolloutEngine(Protocol):
 
     def generate(self, request: RolloutRequest) -> Trajectory: ...
 
-    def sync_weights(self, lora_state: Mapping[str, torch.Tensor], version: int) -> None: ...
+    def sync_weights(
+        self,
+        version: int,
+        lora_state: Mapping[str, torch.Tensor] | None = None,
+        *,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        """Make the engine sample with the trainer's weights from now on, as ``version``.
+
+        An engine that holds the trainer's own module (``module`` is it) only records the version; one
+        that holds a copy needs the full LoRA state (``lora_state``, file keys) and verifies what it applied.
+        """
+        ...
+
+    @property
+    def needs_lora_state(self) -> bool:
+        """Whether ``sync_weights`` needs the full LoRA tensors (the engine holds its own copy)."""
+        ...
 
     @property
     def weights_version(self) -> int: ...
@@ -89,7 +99,7 @@ class ImageCodec(Protocol):
     def latent_size(self, height: int, width: int) -> tuple[int, int]: ...
 
     def reference_size(self, image: bytes) -> tuple[int, int]:
-        """The output (height, width) in pixels an edit row's reference dictates (spec §9.6)."""
+        """The output (height, width) an edit row's reference dictates (docs/upstream-model.md §9.6)."""
         ...
 
 
@@ -153,7 +163,7 @@ class LocalRolloutEngine:
         cfg_mode: ``"batched"`` (one forward for positive and negative) or ``"sequential"``.
         latent_channels: the transformer's ``in_channels``.
         shares_module: the transformer is the trainer's own module (the default local set-up):
-            ``sync_weights`` then verifies instead of copying.
+            ``sync_weights`` then checks the module's identity instead of copying.
     """
 
     def __init__(
@@ -189,28 +199,46 @@ class LocalRolloutEngine:
     def weights_version(self) -> int:
         return self._version
 
-    def sync_weights(self, lora_state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Apply (or, when the module is the trainer's own, verify) the LoRA weights.
+    @property
+    def needs_lora_state(self) -> bool:
+        return not self.shares_module
 
-        The received key set must equal the module's LoRA key set (a trained adapter the engine
-        does not use is an error, never a silent no-op: the reference's prefix-scoped sync lost
-        such adapters). A separate module gets the tensors loaded and must then fingerprint equal to
-        what was sent. Each sync's version and fingerprint are recorded in ``sync_log``.
+    def sync_weights(
+        self,
+        version: int,
+        lora_state: Mapping[str, torch.Tensor] | None = None,
+        *,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        """Adopt the trainer's weights as ``version`` (strictly newer than the current one).
+
+        When the engine shares the trainer's module there is nothing to copy: it checks that ``module``
+        is the very module it samples with (a different object would mean rollouts from stale weights)
+        and records the version. Otherwise ``lora_state`` (file keys, full tensors) is loaded; its key
+        set must equal the module's LoRA key set (a trained adapter the engine does not use is an error,
+        never a silent no-op: the reference's prefix-scoped sync lost such adapters), and what the
+        module then holds must fingerprint equal to what was sent. Each sync is recorded in ``sync_log``
+        as ``(version, fingerprint or "shared")``.
         """
         if version <= self._version and self.sync_log:
             raise WeightSyncError(f"sync: version {version} is not newer than {self._version}")
-        expected = {
-            name.replace(f".{ADAPTER_NAME}.", ".")
-            for name, _ in self.transformer.named_parameters()
-            if "lora_" in name
-        }
-        check_lora_keys(expected, set(lora_state))
+        if self.shares_module:
+            if module is not self.transformer:
+                raise WeightSyncError(
+                    f"sync v{version}: the engine shares the trainer's module, but was handed "
+                    f"{'no module' if module is None else 'a different module'}; its rollouts would use stale weights"
+                )
+            self._version = version
+            self.sync_log.append((version, "shared"))
+            return
+        if lora_state is None:
+            raise WeightSyncError(f"sync v{version}: this engine holds its own copy and needs the LoRA state")
+        check_lora_keys(lora_file_keys(self.transformer), set(lora_state))
         sent = lora_fingerprint(lora_state)
-        if not self.shares_module:
-            load_lora_state_dict(self.transformer, lora_state)
-            applied = lora_fingerprint(lora_state_dict(self.transformer))
-            if applied != sent:
-                raise WeightSyncError(f"sync v{version}: engine holds {applied}, trainer sent {sent}")
+        load_lora_state_dict(self.transformer, lora_state)
+        applied = lora_fingerprint(lora_state_dict(self.transformer))
+        if applied != sent:
+            raise WeightSyncError(f"sync v{version}: engine holds {applied}, trainer sent {sent}")
         self._version = version
         self.sync_log.append((version, sent))
 
@@ -288,7 +316,7 @@ class LocalRolloutEngine:
         """
 
         def make(key: int) -> torch.Generator:
-            return torch.Generator(device=self.device).manual_seed(_mix_seed(request.seed, key))
+            return torch.Generator(device=self.device).manual_seed(derive_seed(request.seed, key))
 
         groups = [make(request.group_offset + g) for g in range(len(request.records))]
         return groups, make(-1)

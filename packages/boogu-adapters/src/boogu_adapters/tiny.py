@@ -1,6 +1,6 @@
 """Build a tiny random Boogu-Image checkpoint with the released folder layout, offline.
 
-The folder mirrors ``Boogu/Boogu-Image-0.1-Base`` (spec ``boogu-model.md`` §10) so that every
+The folder mirrors ``Boogu/Boogu-Image-0.1-Base`` (``docs/upstream-model.md`` §10) so that every
 loader path runs on a laptop in seconds::
 
     model_index.json          names BooguImagePipeline and the five components, as released
@@ -24,9 +24,10 @@ keys, and the processor must be the real tokenizer and chat template. Without a 
 fabricated locally, with no network: a small byte-level BPE tokenizer with the Qwen special tokens, a
 Qwen3-VL-style chat template, and a Pillow-only image processor (torchvision is not needed).
 
-Building is atomic: everything is written into a temporary sibling folder that is renamed into
-place last, with a completion marker written just before. A crash leaves at most a hidden
-``.<name>.tmp-*`` sibling, never a folder at ``path`` that passes as complete.
+Building is atomic (:mod:`boogu_data.atomic`): everything is written into a temporary sibling folder
+that is renamed into place last, with a completion marker written just before. A crash leaves at
+most a hidden ``.<name>.tmp-*`` sibling, never a folder at ``path`` that passes as complete; the next
+call removes it, and puts back a previous checkpoint that a crash left under its retired name.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from boogu_adapters import __version__
 from boogu_adapters._processor import ImageOnlyQwen3VLProcessor
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
 from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
+from boogu_data.atomic import commit_folder, recover_folder, remove_stale, stage_folder
 
 __all__ = [
     "BUILDER_VERSION",
@@ -88,7 +89,7 @@ MODEL_INDEX: dict[str, Any] = {
     "transformer": ["transformer_boogu", "BooguImageTransformer2DModel"],
     "vae": ["diffusers", "AutoencoderKL"],
 }
-"""The released Base/Edit ``model_index.json`` (spec §10)."""
+"""The released Base/Edit ``model_index.json`` (docs/upstream-model.md §10)."""
 
 RELEASED_SCHEDULER_CONFIG: dict[str, Any] = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
@@ -99,7 +100,8 @@ RELEASED_SCHEDULER_CONFIG: dict[str, Any] = {
     "seq_len": 4096,
     "time_shift_version": "v1",
 }
-"""The released ``scheduler/scheduler_config.json`` keys and values (spec §8.1): static v1 shift."""
+"""The released ``scheduler/scheduler_config.json`` keys and values: static v1 shift
+(docs/upstream-model.md §8.1)."""
 
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -232,6 +234,10 @@ def ensure_tiny_checkpoint(
             ``scheduler/scheduler_config.json``.
     """
     target = Path(path).expanduser().absolute()
+    if recover_folder(target):
+        logger.warning("put back the checkpoint at %s that an interrupted rebuild had moved aside", target)
+    for stale in remove_stale(target.parent):
+        logger.info("removed %s, left behind by an interrupted build", stale)
     if is_complete_tiny_checkpoint(target):
         if not force:
             built_by = _builder_version(target)
@@ -251,16 +257,14 @@ def ensure_tiny_checkpoint(
             "refusing to replace it. Remove it yourself or choose another path."
         )
     source = _resolve_source(source_model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging = stage_folder(target)
     try:
-        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint should read like any folder
         _build(staging, source=source, seed=seed)
         if not force and _is_current(target):
-            # Another process (e.g. a second rank) rebuilt a stale checkpoint meanwhile: keep theirs.
+            # Another process (e.g. a second rank) finished the same build meanwhile: keep theirs.
             shutil.rmtree(staging, ignore_errors=True)
             return target
-        _install(staging, target)
+        commit_folder(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -342,30 +346,6 @@ def _build(root: Path, *, source: Path | None, seed: int) -> None:
             "source_model": None if source is None else str(source),
         },
     )
-
-
-def _install(staging: Path, target: Path) -> None:
-    """Move the finished ``staging`` folder to ``target`` with renames only."""
-    if not target.exists() or _is_empty_dir(target):
-        try:
-            os.replace(staging, target)  # an empty target directory is replaced atomically
-        except OSError:
-            # Another process (e.g. a second rank) finished the same build first: keep theirs.
-            if is_complete_tiny_checkpoint(target):
-                shutil.rmtree(staging, ignore_errors=True)
-                return
-            raise
-        return
-    # Replacing our own earlier build (force, or a tampered one): swap, then delete the old copy.
-    retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.replace(target, retired / "checkpoint")
-    try:
-        os.replace(staging, target)
-    except BaseException:
-        os.replace(retired / "checkpoint", target)
-        shutil.rmtree(retired, ignore_errors=True)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
 
 
 def _write_transformer(folder: Path, *, seed: int) -> None:

@@ -15,6 +15,26 @@ import torch
 from boogu_data import PromptRecord
 from boogu_schedule import Sampler, WindowPlan
 
+MAX_PIXELS = 2048 * 2048
+"""Upstream's output-area cap (an edit reference is scaled down to it)."""
+
+
+class OutputSizeError(ValueError):
+    """An output size Boogu cannot produce; ``field`` is ``"height"``, ``"width"`` or ``"height*width"``."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_output_size(height: int, width: int) -> None:
+    """The one rule for output sizes: both sides positive multiples of 16, area at most 2048^2."""
+    for name, value in (("height", height), ("width", width)):
+        if value < 16 or value % 16:
+            raise OutputSizeError(name, f"{name} must be a positive multiple of 16, got {value}")
+    if height * width > MAX_PIXELS:
+        raise OutputSizeError("height*width", f"{height}x{width} exceeds the 2048^2 pixel cap")
+
 
 @dataclass(frozen=True)
 class RolloutRequest:
@@ -56,12 +76,10 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest.num_steps must be >= 1, got {self.num_steps}")
         if self.guidance_scale < 1.0:
             raise ValueError(f"RolloutRequest.guidance_scale must be >= 1, got {self.guidance_scale}")
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value < 16 or value % 16:
-                raise ValueError(f"RolloutRequest.{name} must be a positive multiple of 16, got {value}")
-        if self.height * self.width > 2048 * 2048:
-            raise ValueError(f"RolloutRequest: {self.height}x{self.width} exceeds the 2048^2 pixel cap")
+        try:
+            check_output_size(self.height, self.width)
+        except OutputSizeError as error:
+            raise ValueError(f"RolloutRequest.{error}") from None
 
     @property
     def batch_size(self) -> int:

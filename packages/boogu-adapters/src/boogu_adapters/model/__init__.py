@@ -1,4 +1,4 @@
-"""Our own pure-PyTorch port of the Boogu-Image-0.1 transformer (spec `boogu-model.md`).
+"""Our own pure-PyTorch port of the Boogu-Image-0.1 transformer (`docs/upstream-model.md`).
 
 ``BooguImageTransformer2DModel`` has the released checkpoint's exact parameter tree and
 upstream's ``forward`` signature; ``get_freqs_cis`` builds the RoPE tables it takes. Time runs

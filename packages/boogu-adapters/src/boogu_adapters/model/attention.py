@@ -1,9 +1,9 @@
 """Attention modules: single-stream self-attention and the double-stream joint attention.
 
-Spec `boogu-model.md` §3.6 (single stream) and §3.7 (double stream). Both are pure PyTorch
-(``F.scaled_dot_product_attention``) and keep upstream's parameter names: upstream builds them
-from diffusers' ``Attention``, whose children are ``to_q/to_k/to_v``, ``norm_q/norm_k`` and
-``to_out = [Linear, Dropout]``. The joint attention has no ``to_q/to_k/to_v``; its per-stream
+`docs/upstream-model.md` §7.1 (single stream) and §7.2 (double stream), whose section numbers the
+comments below use. Both are pure PyTorch (``F.scaled_dot_product_attention``) and keep
+upstream's parameter names: upstream builds them from diffusers' ``Attention``, whose children
+are ``to_q/to_k/to_v``, ``norm_q/norm_k`` and ``to_out = [Linear, Dropout]``. The joint attention has no ``to_q/to_k/to_v``; its per-stream
 projections sit under a child named ``processor`` (upstream registers its attention processor,
 an ``nn.Module``, under that name), so checkpoints and LoRA keys read
 ``img_instruct_attn.processor.img_to_q`` and so on.
@@ -42,14 +42,14 @@ def _multi_head_attention(
     query = attn.norm_q(query.unflatten(-1, (-1, head_dim)))  # (N, L, H, d)
     key = attn.norm_k(key.unflatten(-1, (-1, head_dim)))  # (N, L, H_kv, d)
     value = value.unflatten(-1, (-1, head_dim))
-    # RoPE in float64 (spec §3.8), rounded to the qk-norm's output dtype and then to the projection
+    # RoPE in float64 (§6.3), rounded to the qk-norm's output dtype and then to the projection
     # dtype, the same two casts upstream makes (they differ only if norm weights and projections
     # are kept in different dtypes).
     query = apply_rotary(query, rotary).to(query.dtype).to(dtype)
     key = apply_rotary(key, rotary).to(key.dtype).to(dtype)
 
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # (N, heads, L, d)
-    # GQA: query head h reads kv head h // (H / H_kv) (spec §3.6 step 6).
+    # GQA: query head h reads kv head h // (H / H_kv) (§7.1 step 6).
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
@@ -67,7 +67,7 @@ class BooguImageAttention(nn.Module):
     """Self-attention of the refiners, single-stream blocks and the double-stream image branch.
 
     ``to_out[0](SDPA(RoPE(norm_q(to_q x)), RoPE(norm_k(to_k x)), to_v x))``, no biases, GQA with
-    ``num_kv_heads`` key/value heads and softmax scale ``head_dim ** -0.5`` (spec §3.6).
+    ``num_kv_heads`` key/value heads and softmax scale ``head_dim ** -0.5`` (§7.1).
     """
 
     def __init__(self, dim: int, num_attention_heads: int, num_kv_heads: int, eps: float = 1e-5) -> None:
@@ -112,7 +112,7 @@ class BooguImageDoubleStreamProjections(nn.Module):
 
 
 class BooguImageDoubleStreamAttention(nn.Module):
-    """Joint attention over ``[instruction ; image]`` with per-stream projections (spec §3.7).
+    """Joint attention over ``[instruction ; image]`` with per-stream projections (§7.2).
 
     Instruction tokens are projected by ``processor.instruct_to_*``, image tokens by
     ``processor.img_to_*``; per sample the valid instruction tokens and the image tokens are

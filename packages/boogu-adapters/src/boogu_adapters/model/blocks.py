@@ -1,8 +1,9 @@
-"""Transformer blocks (spec `boogu-model.md` §2.2 module tree, §4 forward passes).
+"""Transformer blocks (`docs/upstream-model.md` §2.3 module tree, §4 forward passes).
 
 Class names follow upstream so that ``_no_split_modules`` / ``_repeated_blocks`` of the model
 keep their meaning (device maps, regional compile). The four refiner / single-stream classes are
 the same block; only the ``modulation`` flag differs (the context refiner has none).
+Section numbers (§) refer to `docs/upstream-model.md`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = [
     "BooguImageTransformerBlock",
 ]
 
-# Conditioning width T of every adaLN input (spec §2.1): min(D, 1024).
+# Conditioning width T of every adaLN input (§2.2): min(D, 1024).
 _MAX_CONDITIONING_DIM = 1024
 
 
@@ -39,7 +40,7 @@ def _zero(*linears: nn.Linear) -> None:
 
 
 class BooguImageTransformerBlock(nn.Module):
-    """Sequential attention + SwiGLU block (spec §4.1).
+    """Sequential attention + SwiGLU block (§4.1).
 
     With modulation (noise / reference refiners, single-stream blocks)::
 
@@ -75,7 +76,7 @@ class BooguImageTransformerBlock(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Upstream's init (spec §2.5): xavier linears, zero adaLN (so a fresh block is identity-gated)."""
+        """Upstream's init (§2.5): xavier linears, zero adaLN (so a fresh block is identity-gated)."""
         _xavier(self.attn.to_q, self.attn.to_k, self.attn.to_v, self.attn.to_out[0])
         _xavier(self.feed_forward.linear_1, self.feed_forward.linear_2, self.feed_forward.linear_3)
         if self.modulation:
@@ -117,7 +118,7 @@ class BooguImageSingleStreamTransformerBlock(BooguImageTransformerBlock):
 
 
 class BooguImageDoubleStreamTransformerBlock(nn.Module):
-    """ "Parallel" two-stream block (spec §4.2); every modulation reads the block input.
+    """ "Parallel" two-stream block (§4.2); every modulation reads the block input.
 
     Image stream ``img`` = ``[refs ; target]``, instruction stream ``ins``::
 
@@ -166,7 +167,7 @@ class BooguImageDoubleStreamTransformerBlock(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Upstream's init (spec §2.5): xavier attention / FFN / processor linears, zero adaLN."""
+        """Upstream's init (§2.5): xavier attention / FFN / processor linears, zero adaLN."""
         joint, proj = self.img_instruct_attn, self.img_instruct_attn.processor
         _xavier(joint.to_out[0], proj.img_to_q, proj.img_to_k, proj.img_to_v)
         _xavier(proj.instruct_to_q, proj.instruct_to_k, proj.instruct_to_v, proj.instruct_out, proj.img_out)
@@ -201,7 +202,7 @@ class BooguImageDoubleStreamTransformerBlock(nn.Module):
 
         img = img + img_gate_msa.unsqueeze(1).tanh() * self.img_attn_norm(img_attn)
         img = img + img_gate_self.unsqueeze(1).tanh() * self.img_self_attn_norm(img_self)
-        # The MLP reads the *block input*, modulated twice (spec §4.2): (1 + d0) inside img_norm2,
+        # The MLP reads the *block input*, modulated twice (§4.2): (1 + d0) inside img_norm2,
         # then (1 + s_mlp) and + shift, then RMS-normalised again by img_ffn_norm1.
         img_mlp_in = (1 + img_scale_mlp.unsqueeze(1)) * img_n2 + img_shift_mlp.unsqueeze(1)
         img_mlp = self.img_feed_forward(self.img_ffn_norm1(img_mlp_in))

@@ -1,10 +1,10 @@
-"""Parameterised building blocks of the Boogu-Image transformer (spec `boogu-model.md` §3).
+"""Parameterised building blocks of the Boogu-Image transformer (`docs/upstream-model.md` §3).
 
-Every module here keeps the attribute names of the released state dict (spec §2.2-2.3), so the
+Every module here keeps the attribute names of the released state dict (§2.3-2.4), so the
 released `transformer/` shards load into it unchanged. The numerics follow upstream's
 pure-PyTorch (CPU / SDPA) path, including where each result is rounded to the working dtype
-(spec §3.1, §3.3, §7). "Working dtype" is the dtype of the activations (bf16 in the released
-pipeline, fp32 in tests).
+(§3.1, §3.3, §3.6). "Working dtype" is the dtype of the activations (bf16 in the released
+pipeline, fp32 in tests). Section numbers (§) refer to `docs/upstream-model.md`.
 
 Precision rule used throughout: where upstream upcasts to float32 we upcast to
 ``promote_types(dtype, float32)``. That is exactly float32 for bf16/fp16/fp32 inputs (so the
@@ -39,11 +39,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """Block / embedder RMSNorm (spec §3.1 variant 1): everything in float32, one cast at the end.
+    """Block / embedder RMSNorm (§3.1, item 1): everything in float32, one cast at the end.
 
     ``y = (x · rsqrt(mean(x²) + eps) · w).to(x.dtype)`` with x and w upcast first. This is what
     upstream's triton kernel computes and what ``torch.nn.RMSNorm`` computes on recent torch CPU
-    builds; the spec names this fp32-all form as the reference. Used for ``ffn_norm*``, ``norm2``,
+    builds; §3.1 names this fp32-all form as the reference. Used for ``ffn_norm*``, ``norm2``,
     ``*_attn_norm``, adaLN ``.norm``, ``caption_embedder.0`` and the context refiner's ``norm1``.
     """
 
@@ -62,12 +62,12 @@ class RMSNorm(nn.Module):
 
 
 class QKRMSNorm(nn.Module):
-    """Per-head query/key RMSNorm (spec §3.1 variant 2, diffusers' ``RMSNorm`` rounding order).
+    """Per-head query/key RMSNorm (§3.1, item 2, diffusers' ``RMSNorm`` rounding order).
 
     The variance is taken in float32 and ``x · rsqrt(var + eps)`` is formed with float32
     promotion, but - unlike :class:`RMSNorm` - the result is cast to the *weight* dtype before the
     weight multiply when the weight is a half type. With fp32 weights the output stays in the
-    promoted dtype; the attention casts q/k back to the projection dtype after RoPE (spec §3.6).
+    promoted dtype; the attention casts q/k back to the projection dtype after RoPE (§7.1).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
@@ -87,7 +87,7 @@ class QKRMSNorm(nn.Module):
 
 
 def ffn_inner_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """SwiGLU hidden width (spec §2.1): ``4·dim``, optionally scaled, rounded up to ``multiple_of``."""
+    """SwiGLU hidden width (§2.2): ``4·dim``, optionally scaled, rounded up to ``multiple_of``."""
     inner = 4 * dim
     if ffn_dim_multiplier is not None:
         inner = int(ffn_dim_multiplier * inner)
@@ -95,7 +95,7 @@ def ffn_inner_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) 
 
 
 class SwiGLUFeedForward(nn.Module):
-    """``linear_2(silu(linear_1(x)) * linear_3(x))`` without biases (spec §3.3).
+    """``linear_2(silu(linear_1(x)) * linear_3(x))`` without biases (§3.3).
 
     ``linear_1`` is the gate, ``linear_3`` the up projection. The SiLU runs in float32 and is
     rounded to the working dtype before the product, as upstream's pure-torch ``swiglu`` does
@@ -115,10 +115,10 @@ class SwiGLUFeedForward(nn.Module):
 
 
 class RMSNormZero(nn.Module):
-    """adaLN-zero with four outputs (spec §3.2), upstream's ``LuminaRMSNormZero``.
+    """adaLN-zero with four outputs (§3.2), upstream's ``LuminaRMSNormZero``.
 
     ``(c0, c1, c2, c3) = linear(silu(temb)).chunk(4)``; returns ``(norm(x)·(1 + c0), c1, c2, c3)``.
-    The double-stream block reuses ``c1`` as a shift or gate for some instances (spec §4.2).
+    The double-stream block reuses ``c1`` as a shift or gate for some instances (§4.2).
     """
 
     def __init__(self, dim: int, conditioning_dim: int, eps: float) -> None:
@@ -135,7 +135,7 @@ class RMSNormZero(nn.Module):
 
 
 class ContinuousLayerNormOut(nn.Module):
-    """Output head ``norm_out`` (spec §3.4): scale-only adaLN over a parameter-free LayerNorm.
+    """Output head ``norm_out`` (§3.4): scale-only adaLN over a parameter-free LayerNorm.
 
     ``linear_2(LayerNorm(x, eps=1e-6) · (1 + linear_1(silu(temb))))``; no shift, no gate.
     """
@@ -153,7 +153,7 @@ class ContinuousLayerNormOut(nn.Module):
 
 
 def timestep_sinusoid(timestep: torch.Tensor, num_channels: int, scale: float) -> torch.Tensor:
-    """Sinusoidal embedding of Boogu time t (spec §3.5), always computed in float32.
+    """Sinusoidal embedding of Boogu time t (§3.5), always computed in float32.
 
     ``f_k = exp(-ln(10000)·k/half)``, ``arg = (t·f_k)·scale`` and ``[cos(arg), sin(arg)]``
     (cos first). The multiplication order (t first, then the scale) is kept so the float32
@@ -192,7 +192,7 @@ class _SinusoidalProjection(nn.Module):
 
 
 class CombinedTimestepCaptionEmbedding(nn.Module):
-    """``time_caption_embed`` (spec §3.5): timestep embedding and instruction-feature projection.
+    """``time_caption_embed`` (§3.5): timestep embedding and instruction-feature projection.
 
     Returns ``temb`` (B, T) with ``T = min(D, 1024)`` and the projected instruction tokens
     (B, L, D) = ``Linear(RMSNorm(instr))``.
@@ -217,6 +217,6 @@ class CombinedTimestepCaptionEmbedding(nn.Module):
     def forward(
         self, timestep: torch.Tensor, instruction_hidden_states: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The sinusoid is float32 and is rounded to the latents' dtype before the MLP (spec §3.5).
+        # The sinusoid is float32 and is rounded to the latents' dtype before the MLP (§3.5).
         temb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
         return temb, self.caption_embedder(instruction_hidden_states)

@@ -1,14 +1,15 @@
 """Token layout of one Boogu forward: patchify, per-sample lengths, padding and stream packing.
 
-Spec `boogu-model.md` §5 steps 3, 6-8 and 11. Each sample b has three ragged segments:
+`docs/upstream-model.md` §5.2, steps 3, 6-8 and 11 (section numbers below are that page's). Each
+sample b has three ragged segments:
 
-* ``Lc_b`` valid instruction tokens (right-padded in the input, spec §5 table);
+* ``Lc_b`` valid instruction tokens (right-padded in the input, §5.1);
 * ``K_b`` reference images (0-5), image j a ``(h_j, w_j)`` token grid;
 * one target image, a ``(h, w)`` token grid.
 
 The image stream of a sample is ``[ref_1 ... ref_K ; target]`` (``I_b`` tokens), the joint
 sequence is ``[text ; ref_1 ... ref_K ; target]`` (``S_b = Lc_b + I_b`` tokens). Instruction
-padding never enters the joint sequence (spec §3.7 step 2). Batched tensors are right-padded
+padding never enters the joint sequence (§7.2 step 2). Batched tensors are right-padded
 with zeros and carry a bool mask; nothing reads a padded slot, so results per sample do not
 depend on the rest of the batch.
 """
@@ -27,7 +28,7 @@ __all__ = ["StreamPacking", "TokenLayout", "pad_sequences", "patchify", "unpatch
 
 
 def patchify(latent: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(C, H, W) -> (H/p · W/p, p·p·C) tokens, row-major over the patch grid (spec §5 step 3).
+    """(C, H, W) -> (H/p · W/p, p·p·C) tokens, row-major over the patch grid (§5.2 step 3).
 
     Within a token the channel index is fastest: element ``(i·p + j)·C + c`` holds channel c at
     row offset i, column offset j (einops ``c (h p1) (w p2) -> (h w) (p1 p2 c)``; *not* Flux's
@@ -152,7 +153,7 @@ class TokenLayout:
         return [lc + img for lc, img in zip(self.text_lengths, self.image_lengths, strict=True)]
 
     def segment_positions(self, device: torch.device) -> list[list[torch.Tensor]]:
-        """RoPE positions (spec §6.2) as, per sample, ``[text, ref_1, ..., ref_K, target]``.
+        """RoPE positions (§6.2) as, per sample, ``[text, ref_1, ..., ref_K, target]``.
 
         Each entry is an (n, 3) int64 tensor. The axis-0 offset starts at ``Lc`` and advances by
         ``max(h_j, w_j)`` after each reference; the target takes the offset after the last one.

@@ -30,9 +30,9 @@ RELEASED_CONFIG: dict[str, Any] = {
     },
     "timestep_scale": 1000.0,
 }
-"""The released Boogu-Image-0.1 ``transformer/config.json`` values (spec §2.1; Base, Edit, Turbo
-share it). ``BooguImageTransformer2DModel(**RELEASED_CONFIG)`` has 942 tensors and
-10,292,556,288 parameters; build it under ``torch.device("meta")`` unless you have ~41 GB.
+"""The released Boogu-Image-0.1 ``transformer/config.json`` values (docs/upstream-model.md §2.1;
+Base, Edit, Turbo share it). ``BooguImageTransformer2DModel(**RELEASED_CONFIG)`` has 942 tensors
+and 10,292,556,288 parameters; build it under ``torch.device("meta")`` unless you have ~41 GB.
 Treat it as read-only: copy it (``{**RELEASED_CONFIG, ...}``) to change a value."""
 
 TINY_CONFIG: dict[str, Any] = {
@@ -84,7 +84,8 @@ LORA_TARGET_MODULES: tuple[str, ...] = (
     "instruct_feed_forward.linear_2",
     "instruct_feed_forward.linear_3",
 )
-"""The recommended attention + FFN LoRA targets (spec §2.7), for ``peft.LoraConfig(target_modules=...)``.
+"""The recommended attention + FFN LoRA targets (docs/upstream-model.md §2.7), for
+``peft.LoraConfig(target_modules=...)``.
 
 PEFT matches a name or a dotted suffix, so ``to_q`` does not hit ``img_to_q`` and
 ``feed_forward.linear_1`` does not hit ``img_feed_forward.linear_1``; bare ``linear_1`` is avoided
@@ -98,7 +99,7 @@ def randomize_parameters(
     """Overwrite every parameter of ``model`` with seeded noise, in place; returns ``model``.
 
     Upstream zero-initialises every adaLN linear and the output head, so a fresh model outputs
-    exactly 0 (spec §2.5, §12.16) and tests on it prove nothing. Here RMSNorm weights become
+    exactly 0 (docs/upstream-model.md §2.5) and tests on it prove nothing. Here RMSNorm weights become
     ``1 + std·N(0, 1)`` (so norms keep their scale) and every other parameter ``std·N(0, 1)``,
     the zero-initialised ones included. Values are drawn in float32 on the CPU in
     ``named_parameters()`` order, so a seed gives the same weights on any device and dtype.

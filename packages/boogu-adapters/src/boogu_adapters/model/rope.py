@@ -1,4 +1,4 @@
-"""Boogu 3-axis rotary position embedding (spec `boogu-model.md` §3.8 and §6).
+"""Boogu 3-axis rotary position embedding (`docs/upstream-model.md` §6).
 
 Two halves:
 
@@ -7,12 +7,14 @@ Two halves:
   ``forward``, exactly as with upstream's class.
 * Inside the model the tables are used in *real* float64 form: a rotary tensor is
   ``(..., head_dim / 2, 2)`` float64 holding ``(cos θ, sin θ)`` per rotated pair. Applying it in
-  float64 reproduces upstream's complex128 product (spec §3.8 [verified-run]: bit-exact in bf16).
+  float64 reproduces upstream's complex128 product (§6.3: bit-exact in bf16).
 
-Positions (spec §6.2), per sample with ``Lc`` valid instruction tokens:
+Positions (§6.2), per sample with ``Lc`` valid instruction tokens:
 text token k -> (k, k, k); reference j with token grid (h_j, w_j) -> (s_j, r, c) with
 ``s_0 = Lc`` and ``s_{j+1} = s_j + max(h_j, w_j)``; the target -> (s_K, r, c) after all K
 references. Axis 0 is the "sequence" axis, axes 1 and 2 are row and column.
+
+Section numbers (§) refer to `docs/upstream-model.md`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ __all__ = ["RotaryTables", "apply_rotary", "get_freqs_cis", "grid_positions", "t
 def get_freqs_cis(
     axes_dim: Sequence[int], axes_lens: Sequence[int], theta: float = 10000
 ) -> list[torch.Tensor]:
-    """Per-axis RoPE tables in upstream's form (spec §6.1).
+    """Per-axis RoPE tables in upstream's form (§6.1).
 
     For axis k with ``d_k = axes_dim[k]``: ``ω_j = 1 / theta^(2j / d_k)`` (j < d_k/2) in float64,
     ``angle[pos, j] = pos · ω_j`` for ``pos < axes_lens[k]`` and ``table = exp(i·angle)``.
@@ -103,7 +105,7 @@ class RotaryTables:
 
 
 def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of every head in float64 (spec §3.8).
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of every head in float64 (§6.3).
 
     x: (N, L, H, d); rotary: (N, L, d/2, 2) float64. Returns float64 (N, L, H, d); the caller
     casts once, as upstream does after its complex128 product.

@@ -1,11 +1,11 @@
 """``BooguImageTransformer2DModel``: our pure-PyTorch port of the Boogu-Image-0.1 DiT.
 
-Contract: `shared/spec/boogu-model.md` (section numbers below refer to it). The parameter tree
+Contract: `docs/upstream-model.md` (section numbers below refer to it). The parameter tree
 is the released checkpoint's (942 tensors, 10,292,556,288 parameters for the released config,
-§2.3), so the released ``transformer/`` safetensors load unchanged, and ``forward`` keeps
+§2.4), so the released ``transformer/`` safetensors load unchanged, and ``forward`` keeps
 upstream's signature, so the class drops in wherever upstream's is used.
 
-Time and output convention (§5, §12.1) - the opposite of diffusers' SD3/Flux:
+Time and output convention (§5.3, §1) - the opposite of diffusers' SD3/Flux:
 
 * ``timestep`` is Boogu time ``t`` in [0, 1], 0 = pure noise, 1 = clean data, with
   ``x_t = t·x0 + (1 - t)·eps``. The sinusoid multiplies it by ``timestep_scale`` (1000).
@@ -52,7 +52,7 @@ logger = logging.get_logger(__name__)
 
 # RoPE base of every table (§6.1); upstream hard-codes it as well.
 ROPE_THETA = 10000
-# Rows of image_index_embedding: at most this many reference images per sample (§2.2).
+# Rows of image_index_embedding: at most this many reference images per sample (§2.3).
 MAX_REFERENCE_IMAGES = 5
 
 LatentInput = torch.Tensor | Sequence[torch.Tensor]
@@ -64,7 +64,7 @@ def instruction_feature_dim(instruction_feature_configs: dict[str, Any]) -> int:
 
     Like upstream it reads the layer count from ``num_instruction_feat_layers`` (default 1), not
     from ``num_instruction_feature_layers``, the key the released config and pipeline use
-    (§12.9): harmless for the release (1 layer, "mean"), and needed for identical shapes.
+    (§2.6): harmless for the release (1 layer, "mean"), and needed for identical shapes.
     """
     layers = max(int(instruction_feature_configs.get("num_instruction_feat_layers", 1)), 1)
     feat_dim = int(instruction_feature_configs.get("instruction_feat_dim", 4096))
@@ -182,7 +182,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             norm_eps,
         )
 
-        # Registration order follows the released state dict (§2.2).
+        # Registration order follows the released state dict (§2.3).
         self.x_embedder = nn.Linear(patch_dim, hidden_size, bias=True)
         self.ref_image_patch_embedder = nn.Linear(patch_dim, hidden_size, bias=True)
         self.time_caption_embed = CombinedTimestepCaptionEmbedding(
@@ -283,7 +283,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     def _text_lengths(
         self, mask: torch.Tensor | None, batch: int, width: int, device: torch.device
     ) -> list[int]:
-        """Valid instruction tokens per sample; the mask must be right-padded (§5 table)."""
+        """Valid instruction tokens per sample; the mask must be right-padded (§5.1)."""
         if mask is None:
             return [width] * batch
         if tuple(mask.shape) != (batch, width):
@@ -471,7 +471,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         for block in self.noise_refiner:
             target = self._run_block(block, target, target_mask, target_rotary, temb)
 
-        # 6'. References: one row per image across the batch, each refined alone (§5 step 6).
+        # 6'. References: one row per image across the batch, each refined alone (§5.2 step 6).
         refined_refs = self._embed_and_refine_references(references, positions, tables, temb)
 
         # Image stream per sample: [ref_1 ... ref_K ; target], valid tokens only.
@@ -513,7 +513,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         All references of the batch form one temporary batch (one row per image, padded to the
         longest). Row j of sample b gets ``image_index_embedding[j]`` (added after the patch
         embedder, before the refiner), its own RoPE slice and sample b's temb: a reference
-        attends only to its own tokens and sees the target's timestep (§12.7).
+        attends only to its own tokens and sees the target's timestep (§5.2 step 6).
         """
         p = self.config.patch_size
         owners = [b for b, refs in enumerate(references) for _ in refs]
