@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,9 +27,11 @@ from PIL import Image, ImageDraw, ImageFont
 
 from boogu_data import PromptRecord
 from boogu_trainer.rewards import (
+    OcrReward,
     RewardError,
     RewardFn,
     RewardOutput,
+    TranscriptionReward,
     VlmOcrReward,
     WeightedRewards,
     available_rewards,
@@ -39,6 +42,7 @@ from boogu_trainer.rewards import (
     ocr_engine,
     ocr_text_score,
     register_reward,
+    validate_reward_spec,
 )
 from boogu_trainer.rewards import registry as registry_module
 
@@ -217,6 +221,10 @@ class StubState:
     """Wait this long (or until teardown) before answering."""
     raw_body: bytes | None = None
     """Answer 200 with these bytes instead of a chat completion."""
+    trickle_s: float = 0.0
+    """Send the answer one byte every this many seconds (until teardown)."""
+    trickle_from: str = "status line"
+    """With ``trickle_s``: "status line" trickles all of it, "body" sends the headers at once."""
     answer: Callable[[np.ndarray], str] = lambda image: "Hello World"
     requests: list[dict] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
@@ -273,11 +281,26 @@ def _handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                     state.in_flight -= 1
 
         def _send(self, status: int, payload: bytes) -> None:
+            if state.trickle_s:
+                self._trickle(status, payload)
+                return
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+
+        def _trickle(self, status: int, payload: bytes) -> None:
+            head = f"HTTP/1.0 {status} OK\r\nContent-Type: application/json\r\n"
+            head += f"Content-Length: {len(payload)}\r\n\r\n"
+            rest = head.encode() + payload
+            if state.trickle_from == "body":
+                self.wfile.write(head.encode())
+                rest = payload
+            for i in range(len(rest)):
+                self.wfile.write(rest[i : i + 1])
+                if state.release.wait(state.trickle_s):
+                    return  # teardown
 
     return Handler
 
@@ -357,6 +380,63 @@ def test_vlm_ocr_times_out_on_a_hung_server(stub) -> None:
         _vlm(base_url, timeout_s=0.2, max_retries=1)(as_batch(flat(0)), records("x"))
     assert time.monotonic() - start < 5.0
     assert len(state.requests) == 2
+
+
+@pytest.mark.parametrize("trickle_from", ["status line", "body"])
+def test_vlm_ocr_deadline_covers_the_whole_answer(stub, trickle_from: str) -> None:
+    # One byte every 1.5 s never trips a 2-s per-read socket timeout: only a deadline over the
+    # whole exchange ends the request. Two attempts of 2 s each, then RewardError.
+    state, base_url = stub
+    state.trickle_s, state.trickle_from = 1.5, trickle_from
+    reward = _vlm(base_url, timeout_s=2, max_retries=1, backoff_s=0)
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            reward(as_batch(flat(0)), records("hello world"))
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    start = time.monotonic()
+    # A daemon thread bounds the test: without a deadline the call would outlive it by minutes
+    # (the fixture's teardown then ends the trickle, and with it the stray call).
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout=10.0)
+    elapsed = time.monotonic() - start
+    assert not thread.is_alive(), "vlm_ocr was still reading a trickling answer after 10 s"
+    (error,) = outcome
+    assert isinstance(error, RewardError), f"expected RewardError, got {error!r}"
+    message = str(error)
+    assert f"{base_url}/chat/completions" in message and "sample 0" in message
+    assert "after 2 attempt" in message and "deadline 2 s" in message and "no answer within 2 s" in message
+    assert len(state.requests) == 2, "the missed deadline is transient: retried once"
+    assert 2 * 2.0 <= elapsed < 10.0, f"each attempt lasts its whole deadline, no more: {elapsed:.2f} s"
+
+
+def test_vlm_ocr_proxies_only_with_use_proxy_env(stub, monkeypatch) -> None:
+    state, base_url = stub
+    with socket.socket() as sock:  # a loopback port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    for variable in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
+        monkeypatch.delenv(variable, raising=False)
+    # By default an inherited proxy is ignored: the endpoint is reached directly.
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{dead_port}")
+    assert _vlm(base_url)(as_batch(flat(0)), records("hello world")).tolist() == [1.0]
+    assert state.paths == ["/v1/chat/completions"]
+    # With use_proxy_env the stub is the proxy: it gets the absolute URL and the credentials.
+    monkeypatch.setenv("http_proxy", base_url.replace("http://", "http://user:s%3Acret@").removesuffix("/v1"))
+    reward = _vlm("http://vlm.invalid:8000/v1", use_proxy_env=True)
+    assert reward(as_batch(flat(0)), records("hello world")).tolist() == [1.0]
+    assert state.paths[1] == "http://vlm.invalid:8000/v1/chat/completions"
+    assert state.headers[1]["Host"] == "vlm.invalid:8000"
+    token = base64.b64encode(b"user:s:cret").decode()
+    assert state.headers[1]["Proxy-Authorization"] == f"Basic {token}"
+    monkeypatch.setenv("http_proxy", "socks5://127.0.0.1:1080")
+    with pytest.raises(ValueError, match=r"http_proxy.*http:// proxy.*socks5"):
+        _vlm("http://vlm.invalid:8000/v1", use_proxy_env=True)
 
 
 def test_vlm_ocr_does_not_retry_a_rejected_request(stub) -> None:
@@ -504,6 +584,13 @@ USER_MODULE = textwrap.dedent(
         def __call__(self, images, records):
             return torch.full((images.shape[0],), self.scale)
 
+    BUILT = []
+
+    class Recorded(Scaled):
+        def __init__(self, scale=1.0):
+            BUILT.append(scale)
+            super().__init__(scale)
+
     NOT_CALLABLE = 3
     """
 )
@@ -594,10 +681,11 @@ def test_user_reward_errors(user_module: str, name: str, kwargs: dict, match: st
 
 @dataclass(frozen=True)
 class ConfigEntry:
-    """Stands in for the trainer config's typed reward entry."""
+    """Stands in for the trainer config's typed reward entry (config.RewardSpec): the same fields."""
 
     name: str
     weight: float = 1.0
+    label: str = ""
     kwargs: dict = field(default_factory=dict)
 
 
@@ -619,6 +707,119 @@ def test_build_rewards_weighted_sum(user_module: str) -> None:
     assert output.total.dtype == torch.float32 and output.finite.all() and output.num_nonfinite == 0
     assert output.stacked().shape == (3, 3)
     assert rewards.weights == {"demo_brightness": 2.0, "penalty": -1.0, "brightness_metric": 0.0}
+
+
+def test_build_rewards_from_config_records() -> None:
+    # The same reward twice with distinct labels; an empty label means the name.
+    black, white = (0, 0, 0), (255, 255, 255)
+    rewards = build_rewards(
+        (
+            ConfigEntry("demo_target_color", 1.0, "", {"target": black}),
+            ConfigEntry("demo_target_color", 0.5, "whiteness", {"target": white}),
+            SimpleNamespace(name="demo_brightness", weight=0.0, label="", kwargs={}),
+        )
+    )
+    assert rewards.labels == ("demo_target_color", "whiteness", "demo_brightness")
+    assert rewards.weights == {"demo_target_color": 1.0, "whiteness": 0.5, "demo_brightness": 0.0}
+    output = rewards(as_batch(flat(0), flat(255)), records("", ""))
+    torch.testing.assert_close(output.per_reward["demo_target_color"], torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(output.per_reward["whiteness"], torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(output.total, torch.tensor([1.0, 0.5]))
+
+
+def test_build_rewards_from_the_trainer_configs_own_records() -> None:
+    from boogu_trainer.config import RewardSpec, load_config
+
+    config = load_config(
+        None,
+        [
+            "reward.rewards=[{name: demo_target_color, kwargs: {target: [0, 0, 0]}},"
+            " {name: demo_target_color, weight: 0.5, label: whiteness, kwargs: {target: [255, 255, 255]}}]"
+        ],
+    )
+    assert all(isinstance(spec, RewardSpec) for spec in config.reward.rewards)
+    rewards = build_rewards(config.reward.rewards)
+    assert rewards.labels == ("demo_target_color", "whiteness")
+    output = rewards(as_batch(flat(0), flat(255)), records("", ""))
+    torch.testing.assert_close(output.total, torch.tensor([1.0, 0.5]))
+
+
+@pytest.mark.parametrize(
+    ("specs", "match"),
+    [
+        ([ConfigEntry("demo_brightness"), ConfigEntry("demo_brightness")], "'demo_brightness' is used twice"),
+        (
+            [ConfigEntry("demo_brightness", label="b"), ConfigEntry("demo_sky", label="b")],
+            "'b' is used twice",
+        ),
+        (
+            [ConfigEntry("demo_brightness", label="demo_sky"), ConfigEntry("demo_sky")],
+            "'demo_sky' is used twice",
+        ),
+        (
+            [ConfigEntry("demo_brightness", kwargs={"gamma": 2})],
+            r"rewards\[0\]: reward 'demo_brightness'.*gamma",
+        ),
+        (
+            [SimpleNamespace(name="demo_brightness", weight=1.0)],
+            r"rewards\[0\] must be a mapping.*attributes",
+        ),
+    ],
+)
+def test_build_rewards_rejects_bad_records(specs: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_rewards(specs)
+
+
+def test_validate_reward_spec_builds_nothing(user_module: str, monkeypatch) -> None:
+    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+    built: list[float] = []
+
+    @register_reward("test_counted")
+    def counted(scale: float = 1.0) -> RewardFn:
+        built.append(scale)
+        raise AssertionError("validate_reward_spec must not build the reward")
+
+    assert validate_reward_spec("test_counted", {"scale": 2.0}) is None
+    assert validate_reward_spec(f"{user_module}:Recorded", {"scale": 2.0}) is None
+    assert validate_reward_spec(f"{user_module}:constant", {"value": 0.1}) is None
+    assert validate_reward_spec("vlm_ocr", {"base_url": "http://127.0.0.1:1/v1", "timeout_s": 1}) is None
+    assert built == [] and sys.modules[user_module].BUILT == []
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        ("ocrr", {}, r"unknown reward 'ocrr'; available: .*demo_brightness.*ocr.*vlm_ocr.*module:function"),
+        ("ocr", {"min_confidance": 0.3}, r"reward 'ocr'.*min_confidance.*takes \(.*min_confidence"),
+        ("vlm_ocr", {}, r"reward 'vlm_ocr'.*base_url"),
+        ("ocr", [("num_threads", 1)], r"reward 'ocr': 'kwargs' must be a mapping"),
+        ("", {}, "non-empty string"),
+        ("{m}:Recorded", {"sclae": 2}, r"reward '.*:Recorded'.*sclae.*scale"),
+        ("{m}:missing", {}, "has no attribute 'missing'"),
+        ("{m}:NOT_CALLABLE", {}, "not a function or class"),
+        ("boogu_no_such_module:fn", {}, "cannot import module"),
+    ],
+)
+def test_validate_reward_spec_rejects_typos(user_module: str, name: str, kwargs: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate_reward_spec(name.format(m=user_module), kwargs)  # type: ignore[arg-type]
+    assert sys.modules[user_module].BUILT == []
+
+
+def test_transcription_rewards_share_one_scoring() -> None:
+    class Fixed(TranscriptionReward):
+        name = "fixed"
+
+        def transcribe(self, images: torch.Tensor) -> list[str | None]:
+            return ["Hello  World", None, "", "Helo World"][: images.shape[0]]
+
+    scores = Fixed()(as_batch(*(flat(0) for _ in range(4))), records(*["hello world"] * 4))
+    torch.testing.assert_close(scores, torch.tensor([1.0, float("nan"), 0.0, 0.9]), equal_nan=True)
+    with pytest.raises(ValueError, match="3 images but 2 records"):
+        Fixed()(as_batch(flat(0), flat(0), flat(0)), records("", ""))
+    for reward in (OcrReward, VlmOcrReward):
+        assert issubclass(reward, TranscriptionReward) and "__call__" not in vars(reward)
 
 
 def test_non_finite_scores_are_reported_not_replaced(user_module: str, caplog) -> None:

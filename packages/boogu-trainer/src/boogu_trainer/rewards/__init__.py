@@ -3,7 +3,9 @@
 * `RewardFn`: the protocol, ``reward(images (B, 3, H, W) uint8, records) -> (B,) float32``,
   with a ``name``.
 * Registry: `register_reward`, `build_reward`, `available_rewards`; a user's own reward by import
-  path ``"package.module:function"`` (`load_user_reward` states the rule for classes/functions).
+  path ``"package.module:function"`` (`load_user_reward` states the rule for classes/functions);
+  `validate_reward_spec` checks a name and its option names without building the reward (the
+  config calls it when it loads).
 * Built-in rewards (each class/factory docstring gives what it measures, its range and cost):
 
   ==========================  ===================================================  =========
@@ -13,7 +15,12 @@
   ``jpeg_incompressibility``  JPEG size (q95) in kB                                (0, inf)
   ``demo_brightness``         mean brightness (demo only)                          [0, 1]
   ``demo_target_color``       closeness of the mean colour to a target (demo only) [0, 1]
+  ``demo_contrast``           std of the pixel values over 127.5 (demo only)       [0, 1]
+  ``demo_sky``                top-over-bottom brightness, 0.5 if equal (demo only) [0, 1]
   ==========================  ===================================================  =========
+
+  ``ocr`` and ``vlm_ocr`` share `TranscriptionReward` (the scoring) and differ only in how they
+  read the text.
 
 * `WeightedRewards` / `build_rewards`: weighted sums from config-like specs, returning a
   `RewardOutput` with per-reward scores, the total and a per-sample ``finite`` mask (non-finite
@@ -22,9 +29,16 @@
 """
 
 # Importing the built-in reward modules (demo, jpeg, ocr, vlm) registers their rewards.
-from boogu_trainer.rewards.base import OnError, RewardError, RewardFn, check_batch, images_to_numpy
+from boogu_trainer.rewards.base import (
+    OnError,
+    RewardError,
+    RewardFn,
+    TranscriptionReward,
+    check_batch,
+    images_to_numpy,
+)
 from boogu_trainer.rewards.composite import RewardOutput, WeightedRewards, build_rewards
-from boogu_trainer.rewards.demo import BrightnessReward, TargetColorReward
+from boogu_trainer.rewards.demo import BrightnessReward, ContrastReward, SkyReward, TargetColorReward
 from boogu_trainer.rewards.jpeg import (
     JpegSizeReward,
     jpeg_compressibility,
@@ -38,6 +52,7 @@ from boogu_trainer.rewards.registry import (
     build_reward,
     load_user_reward,
     register_reward,
+    validate_reward_spec,
 )
 from boogu_trainer.rewards.text_score import fold_text, levenshtein, ocr_text_score
 from boogu_trainer.rewards.vlm import VlmOcrReward
@@ -45,13 +60,16 @@ from boogu_trainer.rewards.vlm import VlmOcrReward
 __all__ = [
     "BrightnessReward",
     "CallableReward",
+    "ContrastReward",
     "JpegSizeReward",
     "OcrReward",
     "OnError",
     "RewardError",
     "RewardFn",
     "RewardOutput",
+    "SkyReward",
     "TargetColorReward",
+    "TranscriptionReward",
     "VlmOcrReward",
     "WeightedRewards",
     "available_rewards",
@@ -68,4 +86,5 @@ __all__ = [
     "ocr_engine",
     "ocr_text_score",
     "register_reward",
+    "validate_reward_spec",
 ]

@@ -9,11 +9,12 @@ float32 score per image::
 
 A reward never replaces a non-finite score by a number: NaN/inf travel to
 :class:`~boogu_trainer.rewards.composite.WeightedRewards`, which reports them per sample so the
-loop can drop those samples' advantages and count the failures (DESIGN.md §6).
+loop can drop those samples' advantages and count the failures (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -21,11 +22,13 @@ import numpy as np
 import torch
 
 from boogu_data import PromptRecord
+from boogu_trainer.rewards.text_score import ocr_text_score
 
 __all__ = [
     "OnError",
     "RewardError",
     "RewardFn",
+    "TranscriptionReward",
     "check_batch",
     "check_on_error",
     "images_to_numpy",
@@ -54,6 +57,29 @@ class RewardFn(Protocol):
     """Key under which the reward's scores are logged."""
 
     def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor: ...
+
+
+class TranscriptionReward(abc.ABC):
+    """A reward that reads the text in each image and scores it against ``record.ground_truth``.
+
+    Subclasses (``ocr``, ``vlm_ocr``) only say how to read: `transcribe`. The score is the
+    reference's `ocr_text_score`; a sample that could not be read (None) scores NaN.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def transcribe(self, images: torch.Tensor) -> list[str | None]:
+        """The text in each ``(3, H, W)`` uint8 image, "" when there is none, None when reading failed."""
+
+    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
+        check_batch(images, records, self.name)
+        texts = self.transcribe(images)
+        scores = [
+            float("nan") if text is None else ocr_text_score(text, record.ground_truth)
+            for text, record in zip(texts, records, strict=True)
+        ]
+        return torch.tensor(scores, dtype=torch.float32)
 
 
 def check_batch(images: object, records: Sequence[PromptRecord], reward: str) -> int:

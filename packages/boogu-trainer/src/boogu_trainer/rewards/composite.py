@@ -4,7 +4,7 @@
 scores (for logging and per-reward normalisation), their weighted sum, and which samples' sums
 are finite. A NaN/inf score is never replaced: it makes that sample's total non-finite, the
 ``finite`` mask says so, and a warning names the reward and the samples. The loop drops those
-samples' advantages, counts the failures and stops after repeated ones (DESIGN.md §6).
+samples' advantages, counts the failures and stops after repeated ones (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 
 from boogu_data import PromptRecord
 from boogu_trainer.rewards.base import RewardFn, check_batch, scores_tensor
-from boogu_trainer.rewards.registry import build_reward
+from boogu_trainer.rewards.registry import build_reward, validate_reward_spec
 
 __all__ = ["RewardOutput", "WeightedRewards", "build_rewards"]
 
 logger = logging.getLogger(__name__)
 
-_SPEC_KEYS = ("name", "weight", "kwargs", "label")
+_SPEC_KEYS = ("name", "weight", "label", "kwargs")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,7 +120,7 @@ class WeightedRewards:
 
 
 def build_rewards(specs: Sequence[Mapping[str, Any] | Any]) -> WeightedRewards:
-    """Build a `WeightedRewards` from config-like specs, one mapping per reward::
+    """Build a `WeightedRewards` from config-like specs, one per reward::
 
         [{"name": "ocr", "weight": 1.0},
          {"name": "jpeg_compressibility", "weight": 0.002, "kwargs": {"quality": 95}},
@@ -128,9 +128,11 @@ def build_rewards(specs: Sequence[Mapping[str, Any] | Any]) -> WeightedRewards:
 
     ``name`` (required) is a registered reward (`available_rewards`) or ``module:attribute`` (see
     `load_user_reward` for the class/function rule); ``weight`` defaults to 1; ``kwargs`` are the
-    reward's options; ``label`` (default: ``name``) keys its scores and must be unique, so the same
-    reward can appear twice with different options. Unknown keys raise ValueError. A dataclass
-    instance with those fields (the trainer config's reward entries) is taken as its mapping.
+    reward's options; ``label`` (missing or ``""``: ``name``) keys its scores and must be unique,
+    so the same reward can appear twice with different options. A spec is a mapping with those
+    keys (others raise ValueError), a dataclass instance with those fields, or any object with
+    the attributes ``name``, ``weight``, ``label`` and ``kwargs`` (the trainer config's
+    ``RewardSpec``, whose ``label`` defaults to ``""``).
     """
     if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence) or not specs:
         raise ValueError(
@@ -139,10 +141,7 @@ def build_rewards(specs: Sequence[Mapping[str, Any] | Any]) -> WeightedRewards:
     terms: list[tuple[str, float, RewardFn]] = []
     for i, spec in enumerate(specs):
         where = f"rewards[{i}]"
-        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-            spec = dataclasses.asdict(spec)  # a typed config entry (e.g. config.RewardSpec): same keys
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"{where} must be a mapping with keys {', '.join(_SPEC_KEYS)}, got {spec!r}")
+        spec = _spec_mapping(spec, where)
         unknown = sorted(str(key) for key in spec if key not in _SPEC_KEYS)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {', '.join(_SPEC_KEYS)}")
@@ -153,17 +152,32 @@ def build_rewards(specs: Sequence[Mapping[str, Any] | Any]) -> WeightedRewards:
         kwargs = spec.get("kwargs", {})
         if kwargs is None:
             kwargs = {}
-        if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
-            raise ValueError(f"{where} ({name}): 'kwargs' must be a mapping of option names, got {kwargs!r}")
-        label = spec.get("label", name)
-        if not isinstance(label, str) or not label:
-            raise ValueError(f"{where} ({name}): 'label' must be a non-empty string, got {label!r}")
+        label = spec.get("label", "")
+        if not isinstance(label, str):
+            raise ValueError(f"{where} ({name}): 'label' must be a string (empty: the name), got {label!r}")
+        label = label or name
         try:
+            validate_reward_spec(name, kwargs)  # a non-mapping kwargs fails here, not in the ** below
             reward = build_reward(name, **kwargs)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from error
         terms.append((label, weight, reward))
     return WeightedRewards(terms)
+
+
+def _spec_mapping(spec: object, where: str) -> Mapping[str, Any]:
+    """A spec's keys and values: a mapping as it is, a dataclass's fields, or the four attributes."""
+    if isinstance(spec, Mapping):
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        # Shallow, unlike dataclasses.asdict: kwargs values are passed on as they are.
+        return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    if all(hasattr(spec, key) for key in _SPEC_KEYS):
+        return {key: getattr(spec, key) for key in _SPEC_KEYS}
+    raise ValueError(
+        f"{where} must be a mapping with keys {', '.join(_SPEC_KEYS)} (only 'name' required) or an "
+        f"object with those attributes, got {spec!r}"
+    )
 
 
 def _check_weight(weight: object, where: str) -> float:

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from boogu_data import PromptRecord
-from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
+from boogu_trainer.rewards.base import RewardError, TranscriptionReward, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
-from boogu_trainer.rewards.text_score import ocr_text_score
 
 __all__ = ["OcrReward", "ocr_engine"]
 
@@ -64,7 +61,7 @@ def ocr_engine(det_limit_side_len: int = 512, min_confidence: float = 0.5, num_t
 
 
 @register_reward("ocr")
-class OcrReward:
+class OcrReward(TranscriptionReward):
     """How well the image shows ``record.ground_truth``, read by a local OCR engine.
 
     Measures: 1 - normalised edit distance between the recognised text and the ground truth (case
@@ -128,12 +125,3 @@ class OcrReward:
             # score, which drops whitespace.
             texts.append(" ".join(result.txts) if result.txts else "")
         return texts
-
-    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
-        check_batch(images, records, self.name)
-        texts = self.transcribe(images)
-        scores = [
-            float("nan") if text is None else ocr_text_score(text, record.ground_truth)
-            for text, record in zip(texts, records)
-        ]
-        return torch.tensor(scores, dtype=torch.float32)

@@ -14,6 +14,9 @@
 
   Its output may be a tensor, a NumPy array or a sequence of numbers, one per image; it is
   checked and converted to a ``(B,)`` float32 tensor.
+
+``validate_reward_spec(name, kwargs)`` makes the same checks of the name and the option names
+without building the reward, so a config can reject a typo when it loads, before any model does.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -29,7 +32,14 @@ import torch
 from boogu_data import PromptRecord
 from boogu_trainer.rewards.base import RewardError, RewardFn, check_batch, scores_tensor
 
-__all__ = ["CallableReward", "available_rewards", "build_reward", "load_user_reward", "register_reward"]
+__all__ = [
+    "CallableReward",
+    "available_rewards",
+    "build_reward",
+    "load_user_reward",
+    "register_reward",
+    "validate_reward_spec",
+]
 
 RewardFactory = Callable[..., RewardFn]
 F = TypeVar("F", bound=RewardFactory)
@@ -67,16 +77,44 @@ def available_rewards() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def validate_reward_spec(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Check that ``build_reward(name, **kwargs)`` can be called, without building the reward.
+
+    Checks the name (registered, or ``module:attribute`` that imports to a class or function) and
+    the option names against the factory's signature (unknown ones, missing required ones); the
+    values are the reward's own business, checked when it is built. Nothing is constructed, so no
+    model or engine loads; a ``module:attribute`` name imports its module. Raises ValueError
+    naming the reward and listing what is allowed (the available names, or the options it takes).
+    """
+    _checked_factory(name, kwargs)
+
+
 def build_reward(name: str, **kwargs: Any) -> RewardFn:
     """Build the reward ``name`` (a registered name or ``module:attribute``) with its options.
 
     Raises ValueError for an unknown name (listing the available ones) or options the reward does
-    not take (listing the ones it does).
+    not take (listing the ones it does), as `validate_reward_spec` does.
     """
+    factory = _checked_factory(name, kwargs)
+    if ":" in name:
+        return _user_reward(name, factory, kwargs)
+    return factory(**kwargs)
+
+
+def load_user_reward(path: str, **kwargs: Any) -> RewardFn:
+    """Import a user's reward from ``"package.module:attribute"`` (see the module docstring for the rule)."""
+    target = _checked_user_target(path, kwargs)
+    return _user_reward(path, target, kwargs)
+
+
+def _checked_factory(name: str, kwargs: Mapping[str, Any]) -> Callable[..., Any]:
+    """The registered factory or the user's class/function for ``name``, once ``kwargs`` fit it."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise ValueError(f"reward {name!r}: 'kwargs' must be a mapping of option names, got {kwargs!r}")
     if ":" in name:
-        return load_user_reward(name, **kwargs)
+        return _checked_user_target(name, kwargs)
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(
@@ -84,11 +122,11 @@ def build_reward(name: str, **kwargs: Any) -> RewardFn:
             "or a user function as 'package.module:function'"
         )
     _check_kwargs(name, factory, kwargs)
-    return factory(**kwargs)
+    return factory
 
 
-def load_user_reward(path: str, **kwargs: Any) -> RewardFn:
-    """Import a user's reward from ``"package.module:attribute"`` (see the module docstring for the rule)."""
+def _checked_user_target(path: str, kwargs: Mapping[str, Any]) -> Callable[..., Any]:
+    """Import ``"package.module:attribute"`` and check that it is a class or function taking ``kwargs``."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute or ":" in attribute:
         raise ValueError(f"a user reward must be given as 'package.module:function', got {path!r}")
@@ -103,14 +141,21 @@ def load_user_reward(path: str, **kwargs: Any) -> RewardFn:
             raise ValueError(f"reward {path!r}: {module_name!r} has no attribute {attribute!r}") from None
     if inspect.isclass(target):
         _check_kwargs(path, target, kwargs)
+    elif not callable(target):
+        raise ValueError(f"reward {path!r} is a {type(target).__name__}, not a function or class")
+    elif kwargs:
+        _check_kwargs(path, target, kwargs, leading=2)
+    return target
+
+
+def _user_reward(path: str, target: Callable[..., Any], kwargs: Mapping[str, Any]) -> RewardFn:
+    """Wrap a checked user class (instantiated with ``kwargs``) or function (``kwargs`` bound)."""
+    if inspect.isclass(target):
         instance = target(**kwargs)
         if not callable(instance):
             raise ValueError(f"reward {path!r}: instances of {target.__qualname__} are not callable")
         return CallableReward(path, instance)
-    if not callable(target):
-        raise ValueError(f"reward {path!r} is a {type(target).__name__}, not a function or class")
     if kwargs:
-        _check_kwargs(path, target, kwargs, leading=2)
         target = functools.partial(target, **kwargs)
     return CallableReward(path, target)
 
@@ -139,7 +184,7 @@ class CallableReward:
 
 
 def _check_kwargs(
-    name: str, factory: Callable[..., object], kwargs: dict[str, Any], leading: int = 0
+    name: str, factory: Callable[..., object], kwargs: Mapping[str, Any], leading: int = 0
 ) -> None:
     """Raise ValueError if ``factory`` cannot take ``kwargs`` (after ``leading`` positional arguments)."""
     try:

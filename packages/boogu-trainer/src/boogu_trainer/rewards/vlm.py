@@ -5,11 +5,14 @@ transcribe each image; this reward sends the same request (system prompt, image 
 then the transcription prompt; temperature 0.7, top_p 0.8, max_tokens 4096 by default) to
 ``{base_url}/chat/completions`` and scores the answer with `ocr_text_score`.
 
-Standard library only (``urllib``), so it adds no dependency. Unlike the reference, which waits
-forever on a dead server, every request has a timeout, transient failures (connection errors,
-timeouts, HTTP 408/429/5xx) are retried with exponential backoff, and after the last retry a
-`RewardError` names the URL and the last error. Other HTTP errors (400, 401, 404, ...) and
-malformed answers are configuration problems and fail at once.
+Standard library only (``http.client``), so it adds no dependency. Unlike the reference, which
+waits forever on a dead server, every attempt has an overall deadline: connecting, sending the
+request and reading the whole answer must end within ``timeout_s``. A per-read socket timeout
+alone would not do: a server that sends one byte a second would keep a request alive for ever.
+Transient failures (connection errors, a missed deadline, HTTP 408/429/5xx) are retried with
+exponential backoff, and after the last retry a `RewardError` names the URL, the sample, the
+deadline and the last error. Other HTTP statuses (3xx, 400, 401, 404, ...; redirects are not
+followed) and malformed answers are configuration problems and fail at once.
 """
 
 from __future__ import annotations
@@ -21,21 +24,20 @@ import json
 import logging
 import math
 import os
+import socket
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from boogu_data import PromptRecord
-from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
+from boogu_trainer.rewards.base import RewardError, TranscriptionReward, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
-from boogu_trainer.rewards.text_score import ocr_text_score
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_SYSTEM_PROMPT", "VlmOcrReward"]
 
@@ -55,8 +57,24 @@ class _TransientError(Exception):
     """One attempt failed in a way a later attempt may not (message only; never leaves this module)."""
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    """Where one attempt connects and what it asks for (resolved once, from ``base_url`` and proxies)."""
+
+    https: bool
+    """TLS to ``host`` (through a CONNECT tunnel when there is a proxy)."""
+    host: str
+    port: int
+    target: str
+    """The request target: the path, or the absolute URL when sent to an HTTP proxy."""
+    tunnel: tuple[str, int] | None = None
+    """(host, port) of the endpoint behind an HTTPS proxy tunnel; ``host``/``port`` are the proxy's."""
+    proxy_headers: tuple[tuple[str, str], ...] = ()
+    """Proxy-Authorization, when the proxy URL has credentials."""
+
+
 @register_reward("vlm_ocr")
-class VlmOcrReward:
+class VlmOcrReward(TranscriptionReward):
     """How well the image shows ``record.ground_truth``, read by a VLM over HTTP.
 
     Measures: the reference's OCR score (`ocr_text_score`) of the VLM's transcription.
@@ -66,11 +84,14 @@ class VlmOcrReward:
     server's GPUs, almost nothing on the trainer's side (a PNG encode per image).
 
     Options: ``base_url`` is the API root (e.g. ``http://127.0.0.1:8000/v1``); ``timeout_s`` is
-    per socket operation of one attempt; attempt k > 0 waits ``min(backoff_s * 2**(k-1),
-    backoff_max_s)`` first; ``api_key_env`` names an environment variable holding a bearer token;
-    proxies from the environment are ignored unless ``use_proxy_env`` (endpoints are usually
-    in-cluster, where an inherited ``http_proxy`` only reroutes them); ``on_error="nan"`` scores a
-    sample that still fails after the retries NaN instead of raising.
+    the deadline of one attempt: connecting, sending the request and reading the whole answer
+    must end within it, or the attempt fails as transient (over https the few reads of the TLS
+    handshake each wait at most ``timeout_s`` too); attempt k > 0 waits
+    ``min(backoff_s * 2**(k-1), backoff_max_s)`` first; ``api_key_env`` names an environment
+    variable holding a bearer token; proxies from the environment (``http_proxy``,
+    ``https_proxy``, ``no_proxy``; http:// proxies only) are ignored unless ``use_proxy_env``
+    (endpoints are usually in-cluster, where an inherited ``http_proxy`` only reroutes them);
+    ``on_error="nan"`` scores a sample that still fails after the retries NaN instead of raising.
     """
 
     name = "vlm_ocr"
@@ -131,8 +152,8 @@ class VlmOcrReward:
             if not key:
                 raise ValueError(f"vlm_ocr: api_key_env names {api_key_env!r}, which is unset or empty")
             self._headers["Authorization"] = f"Bearer {key}"
-        handlers = [] if use_proxy_env else [urllib.request.ProxyHandler({})]
-        self._opener = urllib.request.build_opener(*handlers)
+        self._endpoint = _endpoint(self.url, use_proxy_env)
+        self._headers.update(self._endpoint.proxy_headers)
 
     def transcribe(self, images: torch.Tensor) -> list[str | None]:
         """The VLM's answer for each ``(3, H, W)`` uint8 image (None: failed, with ``on_error="nan"``)."""
@@ -147,15 +168,6 @@ class VlmOcrReward:
                 for future in futures:
                     future.cancel()  # do not start requests for a batch that already failed
                 raise
-
-    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
-        check_batch(images, records, self.name)
-        texts = self.transcribe(images)
-        scores = [
-            float("nan") if text is None else ocr_text_score(text, record.ground_truth)
-            for text, record in zip(texts, records)
-        ]
-        return torch.tensor(scores, dtype=torch.float32)
 
     def request_body(self, rgb: np.ndarray) -> dict[str, Any]:
         """The chat-completion request for one ``(H, W, 3)`` uint8 RGB image."""
@@ -204,34 +216,43 @@ class VlmOcrReward:
                 )
         raise RewardError(
             f"vlm_ocr: POST {self.url} failed for sample {index} after {attempts} attempt(s) "
-            f"(timeout {self.timeout_s:g} s each); last error: {last_error}"
+            f"(deadline {self.timeout_s:g} s each, for connecting, sending and the whole answer); "
+            f"last error: {last_error}"
         )
 
     def _post_once(self, body: bytes, index: int) -> str:
-        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        endpoint = self._endpoint
+        connection_class = _DeadlineHTTPSConnection if endpoint.https else _DeadlineHTTPConnection
+        connection = connection_class(
+            endpoint.host, endpoint.port, deadline=time.monotonic() + self.timeout_s
+        )
+        if endpoint.tunnel is not None:
+            connection.set_tunnel(*endpoint.tunnel, headers=dict(endpoint.proxy_headers))
+        waiting_for = "connection"
         try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as error:
-            detail = _excerpt(_read_quietly(error))
-            error.close()
-            message = f"HTTP {error.code} {error.reason}: {detail}"
-            if error.code in _RETRYABLE_STATUS:
-                raise _TransientError(message) from None
-            raise RewardError(
-                f"vlm_ocr: POST {self.url} was rejected for sample {index}: {message}"
-            ) from None
+            connection.connect()
+            waiting_for = "answer"
+            connection.request("POST", endpoint.target, body=body, headers=self._headers)
+            response = connection.getresponse()
+            raw = response.read()
         except TimeoutError:
-            raise _TransientError(f"no answer within {self.timeout_s:g} s") from None
-        except urllib.error.URLError as error:
-            reason = error.reason
-            if isinstance(reason, TimeoutError):
-                raise _TransientError(f"no connection within {self.timeout_s:g} s") from None
-            raise _TransientError(f"{type(reason).__name__}: {reason}") from None
+            raise _TransientError(
+                f"no {waiting_for} within {self.timeout_s:g} s (the deadline for connecting, sending "
+                "and reading the whole answer)"
+            ) from None
         except (OSError, http.client.HTTPException) as error:
-            # Connection reset, server closed mid-answer, truncated body: transient.
+            # Connection refused or reset, server closed mid-answer, truncated body: transient.
             raise _TransientError(f"{type(error).__name__}: {error}") from None
-        return self._parse(raw, index)
+        finally:
+            connection.close()
+        if 200 <= response.status < 300:
+            return self._parse(raw, index)
+        message = f"HTTP {response.status} {response.reason}: {_excerpt(raw)}"
+        if response.status in _RETRYABLE_STATUS:
+            raise _TransientError(message)
+        if 300 <= response.status < 400:
+            message += f" (redirects are not followed; Location: {response.getheader('Location')})"
+        raise RewardError(f"vlm_ocr: POST {self.url} was rejected for sample {index}: {message}")
 
     def _parse(self, raw: bytes, index: int) -> str:
         try:
@@ -271,13 +292,118 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _read_quietly(error: urllib.error.HTTPError) -> bytes:
-    try:
-        return error.read(2000)
-    except (OSError, http.client.HTTPException):
-        return b""
-
-
 def _excerpt(raw: bytes, limit: int = 300) -> str:
     text = raw.decode("utf-8", errors="replace").strip()
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _endpoint(url: str, use_proxy_env: bool) -> _Endpoint:
+    """Resolve ``url`` (and, with ``use_proxy_env``, the environment's proxy for it) once."""
+    parts = urllib.parse.urlsplit(url)
+    https = parts.scheme == "https"
+    host, port = parts.hostname or "", parts.port or (443 if https else 80)
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    proxy = urllib.request.getproxies().get(parts.scheme) if use_proxy_env else None
+    if not proxy or urllib.request.proxy_bypass(parts.netloc):
+        return _Endpoint(https, host, port, path)
+    proxy_parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if proxy_parts.scheme != "http" or not proxy_parts.hostname:
+        raise ValueError(
+            f"vlm_ocr: the {parts.scheme}_proxy from the environment must be an http:// proxy, got "
+            f"{proxy!r}; unset it or set use_proxy_env=False"
+        )
+    headers: tuple[tuple[str, str], ...] = ()
+    if proxy_parts.username is not None:
+        credentials = f"{urllib.parse.unquote(proxy_parts.username)}:"
+        credentials += urllib.parse.unquote(proxy_parts.password or "")
+        token = base64.b64encode(credentials.encode("utf-8")).decode("ascii")
+        headers = (("Proxy-Authorization", f"Basic {token}"),)
+    proxy_host, proxy_port = proxy_parts.hostname, proxy_parts.port or 80
+    if https:  # TLS end to end, through a CONNECT tunnel
+        return _Endpoint(True, proxy_host, proxy_port, path, tunnel=(host, port), proxy_headers=headers)
+    return _Endpoint(False, proxy_host, proxy_port, url, proxy_headers=headers)
+
+
+class _DeadlineMixin:
+    """An ``http.client`` connection whose every socket operation ends by ``deadline``.
+
+    Before each connect, send and read, the socket timeout is set to the time left (``sendall``
+    counts its timeout over the whole call); once it is spent, TimeoutError. Reads go through
+    `_DeadlineReader`, so a server that trickles the status line, the headers or the body cannot
+    outlast the deadline.
+    """
+
+    sock: socket.socket | None
+    timeout: float | None
+
+    def __init__(self, host: str, port: int, *, deadline: float) -> None:
+        super().__init__(host, port)  # type: ignore[call-arg]
+        self.deadline = deadline
+        """``time.monotonic()`` by which the whole exchange must be over."""
+
+    def connect(self) -> None:
+        self.timeout = _time_left(self.deadline)  # what socket.create_connection waits
+        super().connect()  # type: ignore[misc]
+
+    def send(self, data: Any) -> None:
+        if self.sock is not None:
+            self.sock.settimeout(_time_left(self.deadline))
+        super().send(data)  # type: ignore[misc]
+
+    def response_class(self, sock: socket.socket, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
+        # http.client builds its responses (and the proxy tunnel's) as
+        # ``self.response_class(self.sock, ...)``; this method stands in for the class so that the
+        # response reads through the deadline.
+        deadline_sock: Any = _DeadlineSocket(sock, self.deadline)
+        return http.client.HTTPResponse(deadline_sock, *args, **kwargs)
+
+
+class _DeadlineHTTPConnection(_DeadlineMixin, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPSConnection(_DeadlineMixin, http.client.HTTPSConnection):
+    pass
+
+
+class _DeadlineSocket:
+    """What `http.client.HTTPResponse` needs of a socket (``makefile``), reading by a deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        if mode != "rb":
+            raise ValueError(f"only 'rb' is supported, got {mode!r}")
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Raw reads from a socket, each waiting at most until the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        # The socket's own raw file keeps the descriptor open after http.client closes the
+        # connection object (it does that when the answer ends with the connection).
+        self._raw = sock.makefile("rb", buffering=0)
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        self._sock.settimeout(_time_left(self._deadline))
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value); TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline has passed")
+    return left
