@@ -1,27 +1,61 @@
 """The trainer's configuration: one typed, validated dataclass per component, nested.
 
-Recipes are YAML files of these sections; ``a.b=c`` overrides on the command line go on top.
+Recipes are YAML files of these sections; ``a.b=c`` overrides on the command line go on top, and
+``${...}`` interpolations (OmegaConf's) in either are resolved before anything is validated. The
+dataclasses are OmegaConf structured configs: OmegaConf checks the types (and ``Literal`` choices)
+as each value is set, :func:`load_config` names the full dotted key of anything wrong, and each
+``__post_init__`` checks the values, so a loaded config has passed every check the trainer makes.
+
 Every field carries a one-line docstring (shown by ``trainer --help`` and in the README). The
-defaults are the reference recipe's values for the real model (spec flowgrpo-reference.md §4);
+defaults are the reference recipe's values for the real model (docs/reference-integration.md §6);
 the demo (``trainer`` with no arguments) starts from :func:`demo_config`.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import itertools
+import json
 import math
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from boogu_adapters.model import LORA_TARGET_MODULES
-from boogu_trainer import _configlib
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-ConfigError = _configlib.ConfigError
+from boogu_adapters.model import LORA_TARGET_MODULES
+from boogu_adapters.types import OutputSizeError, check_output_size
+from boogu_schedule import WindowPlan
+from boogu_schedule.window import WindowPlanError
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the dotted key."""
 
 
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
         raise ConfigError(f"{key}={value!r}: expected {allowed}")
+
+
+def _check_finite(section: Any, prefix: str) -> None:
+    """Every float of ``section`` (also inside tuple fields) is finite: OmegaConf reads .inf and nan."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        allowed = "finite numbers" if isinstance(value, tuple) else "a finite number"
+        for v in value if isinstance(value, tuple) else (value,):
+            _check(not isinstance(v, float) or math.isfinite(v), f"{prefix}{f.name}", value, allowed)
 
 
 @dataclass(frozen=True)
@@ -40,6 +74,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
         _check(self.demo_prompts >= 1, "data.demo_prompts", self.demo_prompts, ">= 1")
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -64,10 +101,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.max_sequence_length >= 16, "model.max_sequence_length", self.max_sequence_length, ">= 16")
         _check(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            _DEVICE.fullmatch(self.device) is not None,
             "model.device",
             self.device,
-            "'auto', 'cpu' or 'cuda[:i]'",
+            "'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
 
 
@@ -83,9 +120,27 @@ class LoraConfig:
     """lora_A init ('gaussian' as the reference; lora_B is zero, so training starts at the base model)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "lora.")
         _check(self.rank >= 1, "lora.rank", self.rank, ">= 1")
         _check(self.alpha > 0, "lora.alpha", self.alpha, "> 0")
         _check(len(self.target_modules) > 0, "lora.target_modules", self.target_modules, "a non-empty list")
+        _check(
+            all(m.strip() for m in self.target_modules),
+            "lora.target_modules",
+            self.target_modules,
+            "non-empty module-name suffixes",
+        )
+
+
+# WindowPlan field -> the sampler key that sets it (for errors from WindowPlan.validate).
+_WINDOW_KEYS = {
+    "num_steps": "num_steps",
+    "size": "window_size",
+    "window_range": "window_range",
+    "start": "window_start",
+    "stride": "window_stride",
+    "every": "window_every",
+}
 
 
 @dataclass(frozen=True)
@@ -118,33 +173,36 @@ class SamplerConfig:
     """progressive windows: training steps between advances."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "sampler.")
         _check(self.num_steps >= 2, "sampler.num_steps", self.num_steps, ">= 2")
         _check(self.guidance_scale >= 1.0, "sampler.guidance_scale", self.guidance_scale, ">= 1.0")
-        for key in ("height", "width"):
-            v = getattr(self, key)
-            _check(v >= 16 and v % 16 == 0, f"sampler.{key}", v, "a positive multiple of 16")
-        _check(
-            self.height * self.width <= 2048 * 2048,
-            "sampler.height*width",
-            self.height * self.width,
-            "<= 2048^2",
-        )
-        _check(
-            math.isfinite(self.noise_level) and self.noise_level > 0,
-            "sampler.noise_level",
-            self.noise_level,
-            "> 0",
-        )
+        try:
+            check_output_size(self.height, self.width)  # the rule the rollout request applies too
+        except OutputSizeError as e:
+            value = self.height * self.width if e.field == "height*width" else getattr(self, e.field)
+            raise ConfigError(f"sampler.{e.field}={value!r}: {e}") from None
+        _check(self.noise_level > 0, "sampler.noise_level", self.noise_level, "> 0")
         if self.window_size is not None:
             _check(self.window_size >= 1, "sampler.window_size", self.window_size, ">= 1 or null")
-            lo, hi = self.window_range
-            _check(0 <= lo < hi, "sampler.window_range", self.window_range, "0 <= lo < hi")
-            _check(
-                min(hi, self.num_steps - 1) - lo >= self.window_size,
-                "sampler.window_size",
-                self.window_size,
-                f"a window that fits in {list(self.window_range)} over {self.num_steps} steps (last step excluded)",
-            )
+        try:
+            # The window rule lives in boogu_schedule (the rollouts apply the same checks).
+            self.window_plan.validate(self.num_steps)
+        except WindowPlanError as e:
+            key = _WINDOW_KEYS.get(e.field, e.field)
+            raise ConfigError(f"sampler.{key}={getattr(self, key, None)!r}: {e}") from None
+
+    @property
+    def window_plan(self) -> WindowPlan:
+        """The `boogu_schedule.WindowPlan` that the window_* fields describe."""
+        return WindowPlan(
+            kind=self.window_kind,
+            size=self.window_size,
+            window_range=self.window_range,
+            start=self.window_start,
+            scope=self.window_scope,
+            stride=self.window_stride,
+            every=self.window_every,
+        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +232,10 @@ class AlgorithmConfig:
     """PPO ratio clip epsilon (log-probs are per-element means, so it is tiny)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (base) model; 0 skips the reference pass."""
-    kl_kind: Literal["mean", "velocity"] = "mean"
-    """KL on the transition means (Gaussian KL) or on the velocity difference."""
+    kl_kind: Literal["mean", "transition", "velocity"] = "mean"
+    """'mean': flow_grpo's and verl-omni's KL on the transition means, mean((mu - mu_ref)^2) /
+    (2 std_dev_t^2), 1/|dt| times smaller than the exact transition KL for flow_sde; 'transition':
+    the exact Gaussian KL of the two transitions; 'velocity': the squared velocity difference."""
     inner_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
@@ -184,6 +244,7 @@ class AlgorithmConfig:
     """+1 for training; -1 flips the objective (a diagnostic: the reward must then go down)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "algorithm.")
         _check(
             self.group_size >= 2,
             "algorithm.group_size",
@@ -201,28 +262,46 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class RewardSpec:
+    # No __post_init__: RewardConfig checks each entry, so that errors name its index.
     name: str = "ocr"
     """A registered reward ('ocr', 'vlm_ocr', 'jpeg_compressibility', ...) or 'module:function'."""
     weight: float = 1.0
     """Weight in the sum of rewards."""
+    label: str = ""
+    """Name of this reward in logs and metrics (empty: the reward's name); labels must differ."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the reward's constructor."""
-
-    def __post_init__(self) -> None:
-        _check(bool(self.name), "reward.rewards[].name", self.name, "a reward name")
-        _check(math.isfinite(self.weight), "reward.rewards[].weight", self.weight, "a finite number")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     rewards: tuple[RewardSpec, ...] = (RewardSpec(),)
-    """The rewards and their weights."""
+    """The rewards, each {name, weight, label, kwargs}: a registered reward or 'module:function', its weight in the sum, its name in logs (empty: the name) and its constructor's keyword arguments."""
     max_nonfinite_steps: int = 3
     """Stop the run after this many consecutive steps with non-finite rewards or losses."""
 
     def __post_init__(self) -> None:
+        from boogu_trainer.rewards import validate_reward_spec  # the registry loads the built-ins
+
         _check(len(self.rewards) >= 1, "reward.rewards", self.rewards, "at least one reward")
         _check(self.max_nonfinite_steps >= 1, "reward.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
+        labels: dict[str, int] = {}
+        for i, spec in enumerate(self.rewards):
+            key = f"reward.rewards[{i}]"
+            _check(isinstance(spec, RewardSpec), key, spec, "a mapping of name, weight, label, kwargs")
+            _check_finite(spec, f"{key}.")
+            _check(bool(spec.name), f"{key}.name", spec.name, "a reward name")
+            try:
+                validate_reward_spec(spec.name, spec.kwargs)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+            label = spec.label or spec.name
+            if label in labels:
+                raise ConfigError(
+                    f"reward.rewards: entries {labels[label]} and {i} share the label {label!r}; "
+                    "give one of them a distinct label"
+                )
+            labels[label] = i
 
 
 @dataclass(frozen=True)
@@ -239,7 +318,11 @@ class OptimConfig:
     """Clip the LoRA gradient norm; a non-finite norm skips the step."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "optim.")
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "each in [0, 1)")
+        _check(self.eps > 0, "optim.eps", self.eps, "> 0")
         _check(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "> 0")
 
 
@@ -260,6 +343,12 @@ class DistributedConfig:
     """Process-group backend under torchrun (auto: nccl on GPUs, gloo on CPU)."""
     fsdp: bool = True
     """Shard the transformer with FSDP2 (fully_shard per block) when there are several ranks."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the run stops with an error naming it."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "distributed.")
+        _check(self.timeout_s > 0, "distributed.timeout_s", self.timeout_s, "> 0")
 
 
 @dataclass(frozen=True)
@@ -293,6 +382,8 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "logging.name", self.name, "a folder name")
+        _check(self.sample_every >= 0, "logging.sample_every", self.sample_every, ">= 0")
+        _check(self.num_samples >= 1, "logging.num_samples", self.num_samples, ">= 1")
 
 
 @dataclass(frozen=True)
@@ -303,6 +394,11 @@ class EvalConfig:
     """Denoising steps for evaluation (deterministic ODE sampling)."""
     num_prompts: int = 16
     """Evaluation prompts per evaluation."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, ">= 0")
+        _check(self.num_steps >= 1, "eval.num_steps", self.num_steps, ">= 1")
+        _check(self.num_prompts >= 1, "eval.num_prompts", self.num_prompts, ">= 1")
 
 
 @dataclass(frozen=True)
@@ -339,13 +435,37 @@ class TrainerConfig:
     """Seeds data order, rollouts, windows and LoRA init."""
     resume: str = ""
     """'' (fresh run; refuses a run folder that has checkpoints), 'auto' (latest complete checkpoint) or a checkpoint path."""
+    resume_allow_changes: tuple[str, ...] = ()
+    """Config keys allowed to differ from the checkpoint's on resume (e.g. [optim.lr]); the new values take effect. Keys that do not change the past (total_steps, logging.*, checkpoint.*, eval.*, distributed.timeout_s) may always change."""
 
     def __post_init__(self) -> None:
         _check(self.total_steps >= 1, "total_steps", self.total_steps, ">= 1")
+        _check(self.seed >= 0, "seed", self.seed, ">= 0")
+        keys = _config_keys()
+        for i, key in enumerate(self.resume_allow_changes):
+            if key not in keys:
+                close = difflib.get_close_matches(key, keys, n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(
+                    f"resume_allow_changes[{i}]={key!r}: expected a config key or section "
+                    f"such as optim.lr or optim{hint}"
+                )
 
     @property
     def run_path(self) -> Path:
         return Path(self.logging.run_dir).expanduser() / self.logging.name
+
+
+RESUME_FREE_KEYS: tuple[str, ...] = (
+    "total_steps",
+    "resume",
+    "resume_allow_changes",
+    "logging",
+    "checkpoint",
+    "eval",
+    "distributed.timeout_s",
+)
+"""Keys (and sections) that may differ from a checkpoint's config on resume: they do not change the past."""
 
 
 def demo_config() -> TrainerConfig:
@@ -373,21 +493,324 @@ def demo_config() -> TrainerConfig:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Loading: OmegaConf does the YAML, the dot-lists, the type checks and the interpolation; the
+# walk below sets one key at a time so that every error names its full dotted key (OmegaConf
+# leaves the key out of tuple-length errors and out of errors inside list items, and keeps the
+# items of a tuple[Dataclass, ...] untyped, so reward.rewards items are typed here).
+
+
 def load_config(
     recipe: str | Path | None = None, overrides: list[str] | None = None, base: TrainerConfig | None = None
 ) -> TrainerConfig:
-    """Defaults (or ``base``), then the YAML recipe, then ``a.b=c`` overrides."""
-    return _configlib.load(TrainerConfig, recipe, overrides, base=base)
+    """Defaults (or ``base``), then the YAML recipe, then ``a.b=c`` overrides; ``${...}`` resolved,
+    then validated as a whole. Raises `ConfigError` naming the dotted key."""
+    node = _writable(OmegaConf.structured(TrainerConfig if base is None else base))
+    if recipe is not None:
+        _set_section(node, TrainerConfig, _read_recipe(recipe), "")
+    for text in overrides or []:
+        _set_section(node, TrainerConfig, _parse_override(text), "")
+    _resolve(node, TrainerConfig, "")
+    try:
+        return OmegaConf.to_object(node)  # builds the frozen dataclasses: __post_init__ validates
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key or 'config'}: {_reason(e)}") from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _read_recipe(path: str | Path) -> dict[str, Any]:
+    try:
+        loaded = OmegaConf.load(Path(path))  # OmegaConf's YAML: 1e-4 is a float, not YAML 1.1's string
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the recipe ({e.strerror})") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {_reason(e)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+    return OmegaConf.to_container(loaded, resolve=False)  # type: ignore[return-value]
+
+
+def _parse_override(text: str) -> dict[str, Any]:
+    """``a.b=c`` -> ``{"a": {"b": c}}``, c read as OmegaConf reads dot-lists (interpolations kept)."""
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise ConfigError(f"override {text!r}: expected key=value (e.g. optim.lr=1e-4)")
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r}: bad key")
+    value: Any = ""
+    if raw:
+        try:
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={raw}"]), resolve=False)["value"]
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {text!r}: cannot parse the value ({e})") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {text!r}: {_reason(e)}") from None
+    for part in reversed(parts):
+        value = {part: value}
+    return value
+
+
+def _set_section(node: DictConfig, cls: type, data: Mapping[Any, Any], prefix: str) -> None:
+    """Set each key of ``data`` on the structured ``node`` of dataclass ``cls``."""
+    hints = _hints(cls)
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            close = difflib.get_close_matches(str(name), hints, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}; allowed here: {', '.join(hints)}")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}={value!r}: expected a section (a mapping of {key}.* keys)")
+            _set_section(node[name], tp, value, f"{key}.")
+        else:
+            _set_value(node, name, tp, value, key)
+
+
+def _set_value(node: DictConfig, name: str, tp: Any, value: Any, key: str) -> None:
+    shown = value
+    record = _record_type(tp)
+    if record is not None:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}={value!r}: expected a list of mappings of {', '.join(_hints(record))}")
+        value = [_record(record, item, f"{key}[{i}]") for i, item in enumerate(value)]
+    elif not _strict_scalar_ok(value, tp):
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+    try:
+        OmegaConf.update(node, name, value, merge=False)  # converts, checks against the annotation
+    except OmegaConfBaseException:
+        raise ConfigError(f"{key}={shown!r}: expected {_type_name(tp)}") from None
+
+
+def _record(cls: type, data: Any, key: str) -> DictConfig:
+    """One typed item of a ``tuple[Dataclass, ...]`` field."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{key}={data!r}: expected a mapping of {', '.join(_hints(cls))}")
+    item = _writable(OmegaConf.structured(cls))
+    _set_section(item, cls, data, f"{key}.")
+    return item
+
+
+def _strict_scalar_ok(value: Any, tp: Any) -> bool:
+    """False for a non-bool in a bool field or a non-string in a str field: OmegaConf would turn
+    2 into True and 1e3 into '1000.0', silently."""
+    if value is None or _is_interpolation(value):
+        return True
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    kinds = [a for a in args if a is not type(None)]
+    if kinds == [bool]:
+        return isinstance(value, bool)
+    if kinds == [str]:
+        return isinstance(value, str)
+    return True
+
+
+def _is_interpolation(value: Any) -> bool:
+    return isinstance(value, str) and "${" in value
+
+
+def _resolve(node: DictConfig, cls: type, prefix: str) -> None:
+    """Resolve every ``${...}`` (checked against its field's type), errors naming the key."""
+    for name, tp in _hints(cls).items():
+        key = f"{prefix}{name}"
+        record = _record_type(tp)
+        if dataclasses.is_dataclass(tp):
+            _resolve(node[name], tp, f"{key}.")
+        elif record is not None:
+            for i, item in enumerate(node[name]):
+                _resolve(item, record, f"{key}[{i}].")
+        else:
+            try:
+                value = node[name]
+                if OmegaConf.is_config(value):
+                    OmegaConf.to_container(value, resolve=True)
+            except OmegaConfBaseException as e:
+                raw = OmegaConf.to_container(node, resolve=False)[name]  # type: ignore[index]
+                raise ConfigError(f"{key}={raw!r}: {_reason(e)}") from None
+
+
+def _reason(e: OmegaConfBaseException) -> str:
+    """OmegaConf's message without its 'full_key: ...' trailer."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _writable(node: Any) -> Any:
+    """Clear the read-only flags OmegaConf sets for frozen dataclasses (the objects stay frozen)."""
+    OmegaConf.set_readonly(node, None)
+    for child in node.values() if isinstance(node, DictConfig) else node:
+        if OmegaConf.is_config(child):
+            _writable(child)
+    return node
+
+
+def _record_type(tp: Any) -> type | None:
+    """``X`` for a ``tuple[X, ...]`` annotation whose items are dataclasses, else None."""
+    args = typing.get_args(tp)
+    if (
+        typing.get_origin(tp) is tuple
+        and len(args) == 2
+        and args[1] is Ellipsis
+        and dataclasses.is_dataclass(args[0])
+    ):
+        return args[0]  # type: ignore[return-value]
+    return None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation, in field order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain data, resume comparison and the reference.
 
 
 def config_to_dict(config: TrainerConfig) -> dict[str, Any]:
-    return _configlib.to_mapping(config)
+    """Plain YAML-able data: nested dicts, lists (not tuples), numbers, strings, null."""
+    return _plain(config)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def config_changes(
+    old: Mapping[str, Any], new: Mapping[str, Any], allowed: Iterable[str] = ()
+) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old value, new value)`` for every leaf of ``new`` that differs from ``old``,
+    except keys under `RESUME_FREE_KEYS` or ``allowed`` (``optim`` covers ``optim.lr``).
+
+    Both are `config_to_dict` outputs (``old`` read back from a checkpoint's config.yaml). A key
+    that ``old`` lacks because this version added it compares as its default (so it is unchanged
+    when ``new`` keeps the default); a key only ``old`` has (removed since) is not reported, since
+    this version cannot honour it either way. Lists, ``reward.rewards`` included, compare whole.
+    """
+    skip = (*RESUME_FREE_KEYS, *allowed)
+    before = _leaves(_with_defaults(old, TrainerConfig))
+    after = _leaves(_with_defaults(new, TrainerConfig))
+    return [
+        (key, before.get(key), value)
+        for key, value in after.items()
+        if not any(key == p or key.startswith(f"{p}.") for p in skip) and before.get(key) != value
+    ]
+
+
+def _with_defaults(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """``data`` with the fields of ``cls`` it lacks (also inside reward.rewards items) at their defaults."""
+    out = dict(data)
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        value = out.get(f.name)
+        record = _record_type(tp)
+        if f.name not in out:
+            out[f.name] = _plain(_default(f))
+        elif dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            out[f.name] = _with_defaults(value, tp)  # type: ignore[arg-type]
+        elif record is not None and isinstance(value, list):
+            out[f.name] = [_with_defaults(v, record) if isinstance(v, Mapping) else v for v in value]
+    return out
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, Mapping):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@functools.cache
+def _config_keys() -> frozenset[str]:
+    """Every dotted key and section name of `TrainerConfig`."""
+
+    def walk(cls: type, prefix: str) -> Iterable[str]:
+        for name, tp in _hints(cls).items():
+            yield prefix + name
+            if dataclasses.is_dataclass(tp):
+                yield from walk(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
+
+    return frozenset(walk(TrainerConfig, ""))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in the class body."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type | None = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Rows ``(dotted key, type, default as JSON, doc)`` of every field of ``cls`` (default
+    `TrainerConfig`), depth first; a section's row has type ``"section"``."""
+    cls = TrainerConfig if cls is None else cls
+    rows = []
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.append((key, "section", "", docs.get(f.name, "")))
+            rows.extend(describe(tp, f"{key}."))  # type: ignore[arg-type]
+            continue
+        rows.append((key, _type_name(tp), json.dumps(_plain(_default(f))), docs.get(f.name, "")))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
 
 
 def config_reference_markdown() -> str:
     """The config reference table (for ``--help`` and the README), from the field docstrings."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, tp, default, doc in _configlib.describe(TrainerConfig):
+    for key, tp, default, doc in describe():
+        doc = doc.replace("|", "\\|")  # a bare | would end the table cell
         if tp == "section":
             lines.append(f"| **`{key}`** | | | {doc} |")
         else:
