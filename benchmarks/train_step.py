@@ -110,12 +110,12 @@ def instrument(trainer: Trainer, clock: ForwardClock) -> None:
     trainer.rewards.terms = tuple(
         (label, weight, clock.wrap("reward", fn)) for label, weight, fn in trainer.rewards.terms
     )
-    trainer.rewards = _PhasedRewards(trainer.rewards, clock)
-    trainer.rollout = clock.phased("rollout", trainer.rollout)
-    trainer.update = clock.phased("train", trainer.update)
-    trainer.sync = clock.phased("sync", trainer.sync)
+    trainer.rollout.rewards = _PhasedRewards(trainer.rollout.rewards, clock)
+    trainer.rollout.engine.generate = clock.phased("rollout", trainer.rollout.engine.generate)
+    trainer.learner.update = clock.phased("train", trainer.learner.update)
+    trainer.publish_weights = clock.phased("sync", trainer.publish_weights)
     # Not a model call: shown separately inside "train" (AdamW over the LoRA parameters).
-    trainer.optimizer.step = clock.wrap("optimizer", trainer.optimizer.step)
+    trainer.learner.optimizer.step = clock.wrap("optimizer", trainer.learner.optimizer.step)
 
 
 def one_step(trainer: Trainer) -> tuple[float, dict]:
@@ -269,7 +269,7 @@ def summarize(args, parts, trainer, warmup_s, per_step, totals) -> dict:
         "setup": {
             **vars(args),
             "transformer_parameters": count_parameters(parts.transformer),
-            "trainable_lora_parameters": sum(p.numel() for p in trainer.params),
+            "trainable_lora_parameters": sum(p.numel() for p in trainer.learner.params),
             "images_per_step": batch,
             "latent_size": args.size // parts.vae_scale_factor,
         },

@@ -11,14 +11,23 @@
 #
 # Environment: MODE (t2i|edit), NUM_GPUS (0 = CPU), NPROC (CPU ranks, default 1), SOURCE_MODEL (a
 # local Boogu snapshot whose processor/ and scheduler/ are copied into the tiny checkpoint),
-# WORK_DIR (default: a new temporary folder), PYTHON (default: python from the environment;
-# run the script through `uv run` or with the project's venv active).
+# WORK_DIR (default: a new temporary folder), PYTHON (the interpreter to use; default: `python` of
+# the active virtual environment, or without one `uv run --frozen --project <repo> python`, which
+# creates and syncs the project's .venv from uv.lock on first use).
 set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+if [ -n "${PYTHON:-}" ]; then
+    PY=("$PYTHON")
+elif [ -n "${VIRTUAL_ENV:-}" ]; then
+    PY=(python)
+else
+    PY=(uv run --frozen --project "$ROOT" python)
+fi
 
 MODE="${MODE:-t2i}"
 NUM_GPUS="${NUM_GPUS:-0}"
 NPROC="${NPROC:-1}"
-PYTHON="${PYTHON:-python}"
 WORK_DIR="${WORK_DIR:-$(mktemp -d -t boogu-e2e-XXXXXX)}"
 case "$MODE" in t2i|edit) ;; *) echo "MODE must be t2i or edit, got '$MODE'" >&2; exit 2 ;; esac
 
@@ -29,7 +38,7 @@ RUNS="$WORK_DIR/runs"
 mkdir -p "$DATA_IN"
 
 echo "== [1/4] tiny checkpoint -> $TINY"
-"$PYTHON" -m boogu_adapters.tiny --output-dir "$TINY" ${SOURCE_MODEL:+--source-model "$SOURCE_MODEL"}
+"${PY[@]}" -m boogu_adapters.tiny --output-dir "$TINY" ${SOURCE_MODEL:+--source-model "$SOURCE_MODEL"}
 
 echo "== [2/4] $MODE dataset -> $DATA_OUT"
 if [ "$MODE" = t2i ]; then
@@ -40,9 +49,9 @@ A neon sign in a dark alley reading "OPEN".
 A birthday cake with "HAPPY 30" written in icing.
 PROMPTS
     cp "$DATA_IN/train.txt" "$DATA_IN/test.txt"
-    "$PYTHON" -m boogu_data.cli convert-ocr --input-dir "$DATA_IN" --output-dir "$DATA_OUT"
+    "${PY[@]}" -m boogu_data.cli convert-ocr --input-dir "$DATA_IN" --output-dir "$DATA_OUT"
 else
-    "$PYTHON" - "$DATA_IN" <<'MAKE_EDIT'
+    "${PY[@]}" - "$DATA_IN" <<'MAKE_EDIT'
 import json, sys
 from pathlib import Path
 from PIL import Image, ImageDraw
@@ -56,9 +65,9 @@ for i, (old, new) in enumerate([("OPEN", "SALE"), ("CAT", "DOG"), ("RED", "BLUE"
 for split in ("train", "test"):
     (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 MAKE_EDIT
-    "$PYTHON" -m boogu_data.cli convert-edit-ocr --input-dir "$DATA_IN" --output-dir "$DATA_OUT" --image-size 32
+    "${PY[@]}" -m boogu_data.cli convert-edit-ocr --input-dir "$DATA_IN" --output-dir "$DATA_OUT" --image-size 32
 fi
-"$PYTHON" -m boogu_data.cli inspect "$DATA_OUT/train.parquet" > "$WORK_DIR/inspect.txt"
+"${PY[@]}" -m boogu_data.cli inspect "$DATA_OUT/train.parquet" > "$WORK_DIR/inspect.txt"
 
 echo "== [3/4] 2 FlowGRPO steps (MODE=$MODE NUM_GPUS=$NUM_GPUS NPROC=$NPROC)"
 if [ "$NUM_GPUS" -gt 0 ]; then DEVICE=cuda; RANKS="$NUM_GPUS"; DTYPE=bfloat16; else DEVICE=cpu; RANKS="$NPROC"; DTYPE=float32; fi
@@ -72,19 +81,19 @@ ARGS=(
     # OCR exercises the real reward path; a random tiny model draws no text, so the cheap demo term
     # gives the groups a reward spread (and the LoRA a gradient).
     "reward.rewards=[{name: ocr, weight: 1.0}, {name: demo_brightness, weight: 1.0}]"
-    "total_steps=2" "checkpoint.save_every=1" "eval.every=2" "eval.num_steps=4" "eval.num_prompts=4"
+    "total_steps=2" "checkpoint.save_every=1" "eval.every=2" "eval.num_steps=4" "eval.num_prompts=3"
     "logging.run_dir=$RUNS" "logging.name=e2e" "logging.sample_every=1" "logging.progress=false"
 )
 if [ "$RANKS" -gt 1 ]; then
-    PORT=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    "$PYTHON" -m torch.distributed.run --nproc_per_node="$RANKS" --master_port="$PORT" \
-        -m boogu_trainer examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml "${ARGS[@]}"
+    PORT=$("${PY[@]}" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    "${PY[@]}" -m torch.distributed.run --nproc_per_node="$RANKS" --master_port="$PORT" \
+        -m boogu_trainer "$ROOT/examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml" "${ARGS[@]}"
 else
-    "$PYTHON" -m boogu_trainer examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml "${ARGS[@]}"
+    "${PY[@]}" -m boogu_trainer "$ROOT/examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml" "${ARGS[@]}"
 fi
 
 echo "== [4/4] checks"
-"$PYTHON" - "$RUNS/e2e" "$MODE" <<'CHECK'
+"${PY[@]}" - "$RUNS/e2e" "$MODE" <<'CHECK'
 import json, math, sys
 from pathlib import Path
 from safetensors.torch import load_file
@@ -98,7 +107,8 @@ for s in train:
     assert math.isfinite(s["loss"]) and math.isfinite(s["kl_ref"]) and s["optimizer_steps"] >= 1
     assert s["edit_samples"] == (s["samples"] if mode == "edit" else 0), (s["edit_samples"], mode)
 assert train[-1]["weights_version"] == 2, "the rollout engine did not receive both weight syncs"
-assert any("eval/reward/mean" in s for s in steps), "no evaluation record"
+evals = [s for s in steps if "eval/reward/mean" in s]
+assert evals and evals[-1]["eval/prompts"] == 3, "no evaluation record over the 3 held-out prompts"
 ckpt = run / "checkpoints" / "step_000002"
 lora = load_file(ckpt / "adapter_model.safetensors")
 assert lora and all(k.startswith("base_model.model.") for k in lora)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from boogu_schedule import sde_step
 from boogu_trainer.advantages import compute_advantages
 from boogu_trainer.losses import kl_to_reference, policy_loss
 
@@ -72,10 +74,10 @@ def test_weighted_sum_and_per_reward_normalisation():
     assert bool(nan_b.finite.all())  # a weight-0 reward is a metric: its NaNs drop nothing
 
 
-@given(st.lists(st.floats(-3, 3), min_size=2, max_size=8), st.floats(1e-4, 0.2))
-def test_policy_loss_on_policy_is_minus_mean_advantage(advs, clip):
+@given(st.lists(st.floats(-3, 3), min_size=2, max_size=8), st.floats(1e-4, 0.2), st.integers(0, 2**31))
+def test_policy_loss_on_policy_is_minus_mean_advantage(advs, clip, seed):
     a = torch.tensor(advs)
-    lp = torch.randn(len(advs), requires_grad=True)
+    lp = torch.randn(len(advs), generator=torch.Generator().manual_seed(seed)).requires_grad_()
     out = policy_loss(lp, lp.detach(), a, clip)
     assert math.isclose(float(out.loss.detach()), -float(a.mean()), rel_tol=1e-5, abs_tol=1e-6)
     out.loss.backward()
@@ -97,5 +99,34 @@ def test_policy_loss_clips_outside_the_trust_region():
 def test_kl_kinds():
     m, r = torch.ones(2, 3, 2, 2), torch.zeros(2, 3, 2, 2)
     std, dt = torch.tensor([0.5, 1.0]), torch.tensor([-0.1, -0.2])
-    torch.testing.assert_close(kl_to_reference(m, r, std, dt, "mean"), torch.tensor([2.0, 0.5]))
+    torch.testing.assert_close(kl_to_reference(m, r, std, dt, "transition"), torch.tensor([2.0, 0.5]))
+    torch.testing.assert_close(kl_to_reference(m, r, std, dt, "mean"), torch.tensor([0.2, 0.1]))
+    torch.testing.assert_close(kl_to_reference(m, r, std, dt, "mean", "cps"), torch.tensor([2.0, 0.5]))
     torch.testing.assert_close(kl_to_reference(m, r, std, dt, "velocity"), torch.tensor([100.0, 25.0]))
+    with pytest.raises(ValueError, match="kl kind"):
+        kl_to_reference(m, r, std, dt, "exact")
+
+
+@pytest.mark.parametrize("step", [0, 3, 7])
+def test_default_kl_is_the_references_formula_on_flow_sde_steps(step):
+    """kl_kind='mean' on real flow_sde transitions equals flow_grpo's / verl-omni's formula, written
+    here in float64 from the schedule: mean((mu - mu_ref)^2) / (2 std_dev_t^2) with
+    std_dev_t = eta * sqrt(sigma / (1 - sigma)); 'transition' is that divided by |dt|."""
+    g = torch.Generator().manual_seed(step)
+    sigmas = torch.linspace(1.0, 0.0, 11)[1:]  # sigma < 1 everywhere, so no sigma_max special case
+    sigma, sigma_next, eta = sigmas[step], sigmas[step + 1], 0.7
+    x, v, v_ref = (torch.randn(3, 4, 2, 2, generator=g) for _ in range(3))
+    pol = sde_step("flow_sde", x, v, sigma, sigma_next, eta, generator=g)
+    ref = sde_step("flow_sde", x, v_ref, sigma, sigma_next, eta, prev_sample=pol.prev_sample)
+    dt = (sigma_next - sigma).expand(3)
+    got = kl_to_reference(pol.mean, ref.mean, pol.std.flatten(), dt, "mean", "flow_sde")
+
+    s, sn = float(sigma), float(sigma_next)
+    d = sn - s
+    std_dev_t = eta * math.sqrt(s / (1 - s))
+    # Both means share the x term; their difference is the velocity term of the flow_sde mean.
+    mean_diff = (v.double() - v_ref.double()) * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * d
+    expected = mean_diff.pow(2).mean(dim=(1, 2, 3)) / (2 * std_dev_t**2)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=1e-9)
+    exact = kl_to_reference(pol.mean, ref.mean, pol.std.flatten(), dt, "transition")
+    torch.testing.assert_close(exact.double(), expected / abs(d), rtol=2e-5, atol=1e-9)

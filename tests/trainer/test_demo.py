@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from boogu_trainer.config import demo_config, load_config
-from boogu_trainer.loop import Trainer, summarize_rewards
+from boogu_trainer.loop import Trainer
+from boogu_trainer.metrics import summarize_rewards
 
 
 @pytest.mark.slow

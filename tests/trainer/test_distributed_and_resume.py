@@ -1,10 +1,11 @@
-"""Whole-process behaviour: 2 gloo ranks (FSDP2) equal 1 rank, and SIGKILL + resume=auto is exact."""
+"""Whole-process behaviour: 2 gloo ranks (FSDP2) equal 1 rank; SIGKILL at a named point + resume=auto is
+exact on 1 and on 2 ranks; a fresh 2-rank run leaves a used folder untouched; a stalled rank stops the job."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import random
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from boogu_trainer.checkpoint import complete_checkpoints
+from boogu_trainer.checkpoint import checkpoint_folders
 
 
 def overrides(tiny_checkpoint: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -45,9 +46,13 @@ def overrides(tiny_checkpoint: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def env() -> dict[str, str]:
+def env(fault: str | None = None) -> dict[str, str]:
     # One thread per process, as torchrun gives each rank, so 1-rank and 2-rank runs compare like for like.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "BOOGU_LOG_LEVEL": "WARNING"}
+    out = {**os.environ, "OMP_NUM_THREADS": "1", "BOOGU_LOG_LEVEL": "WARNING"}
+    out.pop("BOOGU_FAULT", None)
+    if fault:
+        out["BOOGU_FAULT"] = fault
+    return out
 
 
 def free_port() -> int:
@@ -56,14 +61,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def final_lora(run_dir: Path) -> dict[str, torch.Tensor]:
-    (_, folder), *_ = reversed(complete_checkpoints(run_dir / "run" / "checkpoints"))
+def final_lora(run_dir: Path, name: str = "run") -> dict[str, torch.Tensor]:
+    (_, folder), *_ = reversed(checkpoint_folders(run_dir / name / "checkpoints"))
     return load_file(folder / "adapter_model.safetensors")
 
 
-def run(args: list[str], timeout: float = 300) -> None:
-    result = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+def run(args: list[str], timeout: float = 300, fault: str | None = None, expect: int = 0):
+    result = subprocess.run(args, env=env(fault), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == expect, (result.returncode, result.stdout[-2000:] + result.stderr[-4000:])
+    return result
+
+
+def torchrun(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "boogu_trainer",
+        *args,
+    ]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
@@ -76,18 +107,7 @@ def test_two_gloo_ranks_with_fsdp2_equal_one_rank(tiny_checkpoint, tmp_path):
     one = [a.replace(str(tmp_path / "x"), str(tmp_path / "one")) for a in common]
     two = [a.replace(str(tmp_path / "x"), str(tmp_path / "two")) for a in common]
     run([sys.executable, "-m", "boogu_trainer", *one])
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            "-m",
-            "boogu_trainer",
-            *two,
-        ]
-    )
+    run(torchrun(*two))
     a, b = final_lora(tmp_path / "one"), final_lora(tmp_path / "two")
     assert set(a) == set(b)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -102,22 +122,59 @@ def test_sigkill_then_resume_auto_ends_with_the_same_weights_bitwise(tiny_checkp
 
     killed = tmp_path / "killed"
     args = [sys.executable, "-m", "boogu_trainer", *overrides(tiny_checkpoint, killed, *steps)]
-    proc = subprocess.Popen(args, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = killed / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
-    time.sleep(random.Random(0).uniform(0.0, 1.0))  # somewhere inside step 3 or its checkpoint write
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert complete_checkpoints(killed / "run" / "checkpoints"), "no checkpoint before the kill"
-
+    # Killed while step 3's checkpoint is staged but not yet committed: the staging folder stays behind.
+    run(args, fault="kill:checkpoint_staged:3", expect=-9)
+    root = killed / "run" / "checkpoints"
+    assert [s for s, _ in checkpoint_folders(root)] == [1, 2]
+    assert [
+        p for p in root.iterdir() if p.name.startswith(".step_000003.tmp-")
+    ] == []  # a dead writer's: cleaned
     run([*args, "resume=auto"])
-    a, b = final_lora(tmp_path / "straight"), final_lora(killed)
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert same(final_lora(tmp_path / "straight"), final_lora(killed))
+    (_, a), (_, b) = (
+        checkpoint_folders(d / "run" / "checkpoints")[-1] for d in (tmp_path / "straight", killed)
+    )
+    assert same(load_file(a / "optimizer.safetensors"), load_file(b / "optimizer.safetensors"))
     lines = (killed / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [int(line.split('"step": ')[1].split(",")[0]) for line in lines] == [1, 2, 3, 4]
-    assert not [p for p in (killed / "run" / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.slow
+def test_two_rank_run_killed_and_resumed_equals_a_straight_two_rank_run(tiny_checkpoint, tmp_path):
+    steps = ["total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", "ema.enabled=true"]
+    straight = overrides(tiny_checkpoint, tmp_path / "straight", *steps)
+    run(torchrun(*straight))
+    killed = overrides(tiny_checkpoint, tmp_path / "killed", *steps)
+    # Rank 0 dies (kill -9) in step 3, after its update; torchrun then stops rank 1 too.
+    run(torchrun(*killed), fault="kill:after_update:3@0", expect=1)
+    assert [s for s, _ in checkpoint_folders(tmp_path / "killed" / "run" / "checkpoints")] == [1, 2]
+    run(torchrun(*killed, "resume=auto"))
+    assert same(final_lora(tmp_path / "straight"), final_lora(tmp_path / "killed"))
+    (_, a), (_, b) = (
+        checkpoint_folders(d / "run" / "checkpoints")[-1]
+        for d in (tmp_path / "straight", tmp_path / "killed")
+    )
+    assert same(load_file(a / "ema.safetensors"), load_file(b / "ema.safetensors"))
+    assert same(load_file(a / "optimizer.safetensors"), load_file(b / "optimizer.safetensors"))
+
+    # A fresh 2-rank run pointed at the used folder leaves it byte-for-byte untouched.
+    before = digest(tmp_path / "straight" / "run")
+    result = run(
+        torchrun(
+            *overrides(tiny_checkpoint, tmp_path / "straight", "total_steps=1", "checkpoint.keep_last=1")
+        )
+    )
+    assert digest(tmp_path / "straight" / "run") == before
+    assert "already used" in result.stdout
+    assert [s for s, _ in checkpoint_folders(tmp_path / "straight" / "run_1" / "checkpoints")] == [1]
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_stops_the_job_with_an_error_naming_the_collective(tiny_checkpoint, tmp_path):
+    args = overrides(tiny_checkpoint, tmp_path, "total_steps=3", "distributed.timeout_s=5")
+    t0 = time.monotonic()
+    result = run(torchrun(*args), fault="stall:after_rollout:2@1", expect=1, timeout=240)
+    assert time.monotonic() - t0 < 180
+    text = result.stdout + result.stderr
+    assert "did not complete within distributed.timeout_s=5" in text and "step 2" in text, text[-3000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from boogu_trainer.checkpoint import complete_checkpoints, load_checkpoint
+from boogu_trainer.checkpoint import CheckpointError, checkpoint_folders, load_checkpoint
 from boogu_trainer.config import load_config
 from boogu_trainer.loop import Trainer, TrainingStopped
 
@@ -86,8 +86,8 @@ def test_run_writes_metrics_samples_curve_and_checkpoints(finished_run):
     assert lines[0]["nfe/rollout_per_image"] == 8  # 4 steps x (positive + negative)
     assert (run / "reward_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0001.png", "step_0002.png"]
-    assert [s for s, _ in complete_checkpoints(run / "checkpoints")] == [2, 3]
-    assert trainer.engine.weights_version == 3 and len(trainer.engine.sync_log) == 3
+    assert [s for s, _ in checkpoint_folders(run / "checkpoints")] == [2, 3]
+    assert trainer.engine.weights_version == 3 and [v for v, _ in trainer.engine.sync_log] == [1, 2, 3]
 
 
 def test_the_lora_changed_and_the_checkpoint_holds_it(finished_run):
@@ -158,9 +158,9 @@ def test_nonfinite_rewards_skip_then_stop_with_a_checkpoint(tiny_checkpoint, tmp
     before = lora_of(trainer)
     with pytest.raises(TrainingStopped, match="2 consecutive steps"):
         trainer.train()
-    assert trainer.counters["skipped_updates"] == 2
+    assert trainer.learner.counters["skipped_updates"] == 2
     assert all(torch.equal(v, before[k]) for k, v in lora_of(trainer).items())  # no update happened
-    assert [s for s, _ in complete_checkpoints(tmp_path / "run" / "checkpoints")] == [1]
+    assert [s for s, _ in checkpoint_folders(tmp_path / "run" / "checkpoints")] == [1]
 
 
 def test_partly_nonfinite_rewards_train_on_the_rest(tiny_checkpoint, tmp_path):
@@ -175,16 +175,6 @@ def test_partly_nonfinite_rewards_train_on_the_rest(tiny_checkpoint, tmp_path):
     assert history[0]["skipped_updates"] == 0 and history[0]["optimizer_steps"] >= 1
 
 
-def test_fresh_run_refuses_nothing_but_never_overwrites(tiny_checkpoint, tmp_path, capsys):
-    from boogu_trainer.cli import _fresh_run_dir
-
-    cfg = small_config(tiny_checkpoint, tmp_path, "total_steps=1")
-    Trainer(cfg).train()
-    moved = _fresh_run_dir(cfg)
-    assert moved.logging.name == "run_1" and "already has checkpoints" in capsys.readouterr().out
-    shutil.rmtree(tmp_path / "run")
-
-
 def test_ema_follows_the_lora_and_is_checkpointed(tiny_checkpoint, tmp_path):
     cfg = small_config(tiny_checkpoint, tmp_path, "ema.enabled=true", "ema.decay=0.5", "total_steps=1")
     trainer = Trainer(cfg)
@@ -192,6 +182,97 @@ def test_ema_follows_the_lora_and_is_checkpointed(tiny_checkpoint, tmp_path):
     trainer.train()
     final = lora_of(trainer)
     for k in final:
-        torch.testing.assert_close(trainer.ema[k], 0.5 * initial[k] + 0.5 * final[k])
+        torch.testing.assert_close(trainer.learner.ema[k], 0.5 * initial[k] + 0.5 * final[k])
     saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_000001")
-    assert saved.ema is not None and all(torch.equal(saved.ema[k], trainer.ema[k]) for k in final)
+    assert saved.ema is not None and all(torch.equal(saved.ema[k], trainer.learner.ema[k]) for k in final)
+
+
+def test_metrics_count_forwards_and_encodings_per_step(finished_run):
+    _, history, _ = finished_run
+    for record in history:
+        # Counted by a hook on the transformer: 4 steps x (positive + negative) rows per image in the
+        # rollout; 2 window steps x 2 rows in training (KL off).
+        assert record["nfe/rollout_per_image"] == 8.0
+        assert record["nfe/train_per_image"] == 4.0
+        # Per step, not cumulative: each prompt encoded once for its group; one shared negative.
+        assert record["prompt_encodings_per_prompt"] == 1.0 and record["negative_encodings"] == 1
+
+
+def test_resume_with_a_changed_lr_is_refused_unless_opted_in(finished_run, tiny_checkpoint, tmp_path):
+    _, _, run = finished_run
+    shutil.copytree(run, tmp_path / "run")
+    changed = small_config(tiny_checkpoint, tmp_path, "resume=auto", "optim.lr=5e-4", "total_steps=4")
+    trainer = Trainer(changed)
+    with pytest.raises(CheckpointError, match=r"optim\.lr: 0\.001 \(checkpoint\) -> 0\.0005"):
+        trainer.resume("auto")
+    allowed = small_config(
+        tiny_checkpoint,
+        tmp_path,
+        "resume=auto",
+        "optim.lr=5e-4",
+        "total_steps=4",
+        "resume_allow_changes=[optim.lr]",
+    )
+    trainer = Trainer(allowed)
+    assert trainer.resume("auto") is not None and trainer.step == 3
+    assert [g["lr"] for g in trainer.learner.optimizer.param_groups] == [5e-4]
+    trainer.train()
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_000004")
+    assert (
+        "lr: 0.0005" in saved.config_yaml and "lr: 0.0005" in (tmp_path / "run" / "config.yaml").read_text()
+    )
+    assert saved.optimizer_meta["param_groups"][0]["lr"] == 5e-4
+
+
+def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoint, tmp_path):
+    # A finite lr whose Adam steps overflow float32 turns the LoRA into inf on the first update.
+    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, "optim.lr=3e37", "total_steps=3"))
+    before = lora_of(trainer)
+    with pytest.raises(TrainingStopped, match="non-finite"):
+        trainer.train()
+    after = lora_of(trainer)
+    assert all(torch.equal(after[k], before[k]) for k in before)  # the bad update was undone
+    ((step, folder),) = checkpoint_folders(tmp_path / "run" / "checkpoints")
+    saved = load_checkpoint(folder)
+    assert step == 0 and all(torch.isfinite(v).all() for v in saved.lora.values())
+    assert all(torch.equal(saved.lora[k], before[k]) for k in before)
+
+
+def test_inner_epochs_take_one_optimizer_step_per_mini_batch_and_epoch(tiny_checkpoint, tmp_path):
+    one = Trainer(small_config(tiny_checkpoint, tmp_path / "a", "total_steps=1", "checkpoint.save_every=0"))
+    two = Trainer(
+        small_config(
+            tiny_checkpoint,
+            tmp_path / "b",
+            "total_steps=1",
+            "checkpoint.save_every=0",
+            "algorithm.inner_epochs=2",
+        )
+    )
+    h1, h2 = one.train(), two.train()
+    assert h1[0]["optimizer_steps"] == 2 and h2[0]["optimizer_steps"] == 4
+    assert h2[0]["nfe/train_per_image"] == 2 * h1[0]["nfe/train_per_image"]
+    assert h2[0]["logprob_diff/step0"] == 0.0  # measured before the first update
+    a, b = lora_of(one), lora_of(two)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sinks_are_closed_and_live_on_rank_zero_only(tiny_checkpoint, tmp_path, monkeypatch):
+    from boogu_trainer import loop
+    from boogu_trainer.metrics import MetricsLogger
+
+    closed = []
+
+    class Recording(MetricsLogger):
+        def close(self):
+            closed.append(self.is_main)
+            super().close()
+
+    monkeypatch.setattr(loop, "MetricsLogger", Recording)
+    Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=1")).train()
+    assert closed == [True]
+    silent = MetricsLogger(tmp_path / "rank1", is_main=False, tensorboard=True, wandb=True)
+    silent.truncate_to(0)
+    silent.log({"step": 1, "reward/mean": 0.5})
+    silent.close()
+    assert not (tmp_path / "rank1").exists()

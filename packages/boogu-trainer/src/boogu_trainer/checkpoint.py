@@ -1,4 +1,4 @@
-"""Atomic, pickle-free checkpoints: a folder per step, written under a temporary name, then renamed.
+"""Checkpoints: atomic, verified, pickle-free folders, and the rules for run folders and resumes.
 
 Layout of ``checkpoints/step_000030/``:
 
@@ -8,112 +8,79 @@ Layout of ``checkpoints/step_000030/``:
 * ``ema.safetensors``: the EMA of the LoRA weights (when enabled), same keys.
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments and hyper-parameters, by parameter name.
 * ``rng.safetensors``: the torch RNG states.
-* ``trainer_state.json``: step, data position, counters.
+* ``trainer_state.json``: step, run id, data position, counters.
 * ``config.yaml``: the resolved config.
+* ``manifest.json``: size and SHA-256 of every file above; ``COMPLETE`` is written last.
 
-Nothing is ever unpickled: tensors are safetensors, everything else JSON or YAML. A crash while
-writing leaves only a ``.tmp-*`` folder that is ignored and cleaned up.
+Nothing is ever unpickled: tensors are safetensors, everything else JSON or YAML. A folder is built
+under a temporary name and committed with one rename (`boogu_data.atomic.commit_folder`), so a
+kill at any moment leaves either the previous or the new complete checkpoint, never half of one;
+a checkpoint whose files do not match its manifest (a truncated copy, a bad disk) is skipped on
+resume with a warning naming it, in favour of the newest intact one.
+
+Rules (`Checkpointer`): a fresh run never writes into a used run folder (it moves to ``name_1``,
+``name_2``, ..., decided on rank 0 for every world size); pruning keeps the newest ``keep_last``
+checkpoints *of this run* (its ``run_id``) and never touches another run's; a resume whose config
+differs from the checkpoint's in a key that changes the past is refused unless the key is listed
+in ``resume_allow_changes``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from boogu_adapters.lora import from_peft_keys, to_peft_keys
+from boogu_data.atomic import commit_folder, recover_folder, remove_stale, stage_folder
+from boogu_trainer.config import TrainerConfig, config_changes, config_to_dict
+from boogu_trainer.distributed import DistEnv
+from boogu_trainer.faults import fault_point
+
+logger = logging.getLogger("boogu_trainer")
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 COMPLETE = "COMPLETE"
-PEFT_PREFIX = "base_model.model."
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (missing, broken, or incompatible with this run)."""
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def to_peft_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+@dataclass(frozen=True)
+class CheckpointContents:
+    lora: dict[str, torch.Tensor]
+    """LoRA tensors keyed by file key (no peft prefix)."""
+    lora_config: dict[str, Any]
+    """peft LoraConfig as a dict (written as adapter_config.json)."""
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_meta: dict[str, Any]
+    trainer_state: dict[str, Any]
+    """step, run_id, data position, counters (JSON)."""
+    config_yaml: str
+    ema: dict[str, torch.Tensor] | None = None
+    rng: dict[str, torch.Tensor] | None = None
 
 
-def from_peft_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        if not k.startswith(PEFT_PREFIX):
-            raise ValueError(f"LoRA file key {k!r} lacks the peft prefix {PEFT_PREFIX!r}")
-        out[k[len(PEFT_PREFIX) :]] = v
-    return out
-
-
-def optimizer_to_files(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str]
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """AdamW state keyed by parameter name (full tensors, also under FSDP2) plus hyper-parameters (JSON)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    sd = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    for name, state in sd["state"].items():
-        for key, value in state.items():
-            tensors[f"{name}::{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
-    groups = [
-        {k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
-        for g in sd["param_groups"]
-    ]
-    return tensors, {"param_groups": groups, "names": names}
-
-
-def load_lora_and_optimizer(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    names: list[str],
-    contents: CheckpointContents,
-    device: torch.device,
-) -> None:
-    """Put a checkpoint's LoRA weights (float32) and AdamW state back, also into FSDP2-sharded modules."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    meta = contents.optimizer_meta
-    if meta["names"] != names:
-        raise ValueError(
-            "the checkpoint's optimizer was built for different LoRA parameters than this model's"
-        )
-    # Model keys carry peft's adapter name; the file's do not.
-    by_file_key = {n.replace(".default.", "."): n for n in names}
-    missing = sorted(set(by_file_key) - set(contents.lora))
-    unexpected = sorted(set(contents.lora) - set(by_file_key))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint LoRA keys do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    model_sd = {by_file_key[k]: v.to(device=device, dtype=torch.float32) for k, v in contents.lora.items()}
-    opts = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, model_sd, options=opts)
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in contents.optimizer_tensors.items():
-        name, field = key.rsplit("::", 1)
-        state.setdefault(name, {})[field] = value.to(device) if value.dim() > 0 else value
-    groups = []
-    for g in meta["param_groups"]:
-        g = dict(g)
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=opts)
-
-
+# ---- RNG ------------------------------------------------------------------------------------------
 def rng_state() -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -129,108 +96,229 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-@dataclass(frozen=True)
-class CheckpointContents:
-    lora: dict[str, torch.Tensor]
-    """LoRA tensors keyed by module path (no peft prefix)."""
-    lora_config: dict[str, Any]
-    """peft LoraConfig as a dict (written as adapter_config.json)."""
-    optimizer_tensors: dict[str, torch.Tensor]
-    optimizer_meta: dict[str, Any]
-    trainer_state: dict[str, Any]
-    config_yaml: str
-    ema: dict[str, torch.Tensor] | None = None
-    rng: dict[str, torch.Tensor] | None = None
+# ---- one folder -----------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def save_checkpoint(
-    root: str | os.PathLike[str], step: int, contents: CheckpointContents, keep_last: int
-) -> Path:
-    """Write ``root/step_XXXXXX`` atomically and prune older ones; returns the folder."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> None:
+    """Write every file of a checkpoint into ``folder`` (a staging folder), manifest and marker last."""
+    save_file(to_peft_keys(contents.lora), folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(contents.lora_config, indent=2, sort_keys=True))
+    if contents.ema is not None:
+        save_file(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})
+    save_file(contents.optimizer_tensors, folder / "optimizer.safetensors")
+    (folder / "optimizer.json").write_text(json.dumps(contents.optimizer_meta, indent=2))
+    rng = contents.rng or rng_state()
+    save_file({k: v.contiguous() for k, v in rng.items()}, folder / "rng.safetensors")
+    (folder / "trainer_state.json").write_text(json.dumps(contents.trainer_state, indent=2, sort_keys=True))
+    (folder / "config.yaml").write_text(contents.config_yaml)
+    manifest = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    for p in folder.iterdir():
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+    (folder / COMPLETE).write_text(str(step))
+
+
+def verify_checkpoint(folder: Path, *, hashes: bool = True) -> str | None:
+    """None when ``folder`` is an intact checkpoint, else what is wrong with it (for a warning)."""
+    if not (folder / COMPLETE).is_file():
+        return f"no {COMPLETE} marker"
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return f"no {MANIFEST}"
     try:
-        save_file(to_peft_keys(contents.lora), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(contents.lora_config, indent=2, sort_keys=True))
-        if contents.ema is not None:
-            save_file(to_peft_keys(contents.ema), tmp / "ema.safetensors", metadata={"format": "pt"})
-        save_file(contents.optimizer_tensors, tmp / "optimizer.safetensors")
-        (tmp / "optimizer.json").write_text(json.dumps(contents.optimizer_meta, indent=2))
-        save_file(
-            {k: v.contiguous() for k, v in (contents.rng or rng_state()).items()}, tmp / "rng.safetensors"
-        )
-        (tmp / "trainer_state.json").write_text(json.dumps(contents.trainer_state, indent=2, sort_keys=True))
-        (tmp / "config.yaml").write_text(contents.config_yaml)
-        (tmp / COMPLETE).write_text(str(step))
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    prune(root, keep_last)
-    return final
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        return f"unreadable {MANIFEST}: {error}"
+    for name, expected in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes, the manifest says {expected['size']}"
+        if hashes and _sha256(path) != expected["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest"
+    return None
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
+    """Read a checkpoint folder (verify it first: `verify_checkpoint`)."""
+    folder = Path(folder)
+    if not (folder / COMPLETE).is_file():
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
+
+    def tensors(name: str) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(folder / name)
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{folder / name}: cannot be read ({error})") from error
+
+    ema_path = folder / "ema.safetensors"
+    return CheckpointContents(
+        lora=from_peft_keys(tensors("adapter_model.safetensors")),
+        lora_config=json.loads((folder / "adapter_config.json").read_text()),
+        optimizer_tensors=tensors("optimizer.safetensors"),
+        optimizer_meta=json.loads((folder / "optimizer.json").read_text()),
+        trainer_state=json.loads((folder / "trainer_state.json").read_text()),
+        config_yaml=(folder / "config.yaml").read_text(),
+        ema=from_peft_keys(tensors("ema.safetensors")) if ema_path.exists() else None,
+        rng=tensors("rng.safetensors"),
+    )
 
 
-def complete_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete checkpoint, oldest first; stale temporaries are removed."""
+def checkpoint_folders(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every checkpoint folder that has its COMPLETE marker, oldest first.
+
+    Puts back a checkpoint a kill left under its retired name while it was being replaced, and
+    removes temporaries of dead writers (a live writer's staging folder is left alone).
+    """
     root = Path(root)
     if not root.is_dir():
         return []
+    for child in list(root.iterdir()):
+        if child.name.startswith(".step_") and ".retired-" in child.name:
+            recover_folder(root / child.name[1 : child.name.index(".retired-")])
+    remove_stale(root)
     found = []
     for child in root.iterdir():
-        if child.name.startswith(".tmp-"):
-            shutil.rmtree(child, ignore_errors=True)
-            continue
         m = STEP_DIR.match(child.name)
         if m and (child / COMPLETE).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
+def run_id_of(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "trainer_state.json").read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
-def prune(root: Path, keep_last: int) -> None:
-    found = complete_checkpoints(root)
-    for _, folder in found[:-keep_last]:
-        shutil.rmtree(folder, ignore_errors=True)
+# ---- the component ----------------------------------------------------------------------------------
+def _used(folder: Path) -> bool:
+    return folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
 
 
-def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
-    folder = Path(folder)
-    if not (folder / COMPLETE).is_file():
-        raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
-    ema_path = folder / "ema.safetensors"
-    return CheckpointContents(
-        lora=from_peft_keys(load_file(folder / "adapter_model.safetensors")),
-        lora_config=json.loads((folder / "adapter_config.json").read_text()),
-        optimizer_tensors=load_file(folder / "optimizer.safetensors"),
-        optimizer_meta=json.loads((folder / "optimizer.json").read_text()),
-        trainer_state=json.loads((folder / "trainer_state.json").read_text()),
-        config_yaml=(folder / "config.yaml").read_text(),
-        ema=from_peft_keys(load_file(ema_path)) if ema_path.exists() else None,
-        rng=load_file(folder / "rng.safetensors"),
+def resolve_run_folder(config: TrainerConfig, dist: DistEnv) -> tuple[TrainerConfig, str | None]:
+    """The config with the run folder this run writes to, and a note for the user (or None).
+
+    A fresh run (``resume=''``) never writes into a folder that holds anything: it takes the first
+    unused ``name_1``, ``name_2``, ... . Rank 0 decides and every rank gets its decision, so a
+    torchrun job behaves exactly like one process.
+    """
+    if config.resume:
+        return config, None
+    name = None
+    if dist.is_main:
+        base, parent = config.logging.name, Path(config.logging.run_dir).expanduser()
+        name, i = base, 0
+        while _used(parent / name):
+            i += 1
+            name = f"{base}_{i}"
+    name = dist.broadcast_object(name, "choose the run folder")
+    if name == config.logging.name:
+        return config, None
+    moved = replace(config, logging=replace(config.logging, name=name))
+    note = (
+        f"note: {config.run_path} is already used by another run; this fresh run writes to {moved.run_path} "
+        "(pass resume=auto to continue the old one)"
+    )
+    return moved, note
+
+
+class Checkpointer:
+    """Saves, prunes, verifies and finds the checkpoints of one run folder."""
+
+    def __init__(self, config: TrainerConfig, dist: DistEnv):
+        self.config = config
+        self.dist = dist
+        self.root = config.run_path / "checkpoints"
+        self.run_id = uuid.uuid4().hex
+        """This run's identity; a resume adopts the checkpoint's, so pruning knows its own checkpoints."""
+
+    def save(self, step: int, contents: CheckpointContents) -> Path:
+        """Write ``checkpoints/step_XXXXXX`` atomically on rank 0, then prune; every rank returns its path."""
+        final = self.root / step_dir_name(step)
+        if not self.dist.is_main:
+            return final
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = stage_folder(final)
+        try:
+            write_checkpoint(staging, step, contents)
+            fault_point("checkpoint_staged", step, self.dist.rank)
+            commit_folder(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fault_point("checkpoint_committed", step, self.dist.rank)
+        self.prune(keep=final)
+        return final
+
+    def prune(self, keep: Path | None = None) -> list[Path]:
+        """Delete this run's checkpoints beyond the newest ``keep_last``; other runs' are never touched."""
+        mine = [
+            (s, f)
+            for s, f in checkpoint_folders(self.root)
+            if run_id_of(f) == self.run_id and verify_checkpoint(f, hashes=False) is None
+        ]
+        doomed = [f for _, f in mine[: -self.config.checkpoint.keep_last] if f != keep]
+        for folder in doomed:
+            shutil.rmtree(folder, ignore_errors=True)
+        return doomed
+
+    def find(self, spec: str) -> Path | None:
+        """The checkpoint to resume from: ``'auto'`` -> the newest intact one of this run folder (None
+        if there is none), else the given path (which must be intact). Decided on rank 0."""
+        folder: Path | None = None
+        problem = None
+        if self.dist.is_main:
+            if spec == "auto":
+                for _, candidate in reversed(checkpoint_folders(self.root)):
+                    reason = verify_checkpoint(candidate)
+                    if reason is None:
+                        folder = candidate
+                        break
+                    logger.warning(
+                        "checkpoint %s is broken (%s); falling back to an earlier one", candidate, reason
+                    )
+                    print(f"warning: checkpoint {candidate} is broken ({reason}); trying an earlier one")
+            else:
+                folder = Path(spec).expanduser()
+                problem = verify_checkpoint(folder)
+        folder, problem = self.dist.broadcast_object((folder, problem), "choose the checkpoint")
+        if problem is not None:
+            raise CheckpointError(f"resume={spec}: {folder} is not an intact checkpoint: {problem}")
+        return folder
+
+    def load(self, folder: Path) -> CheckpointContents:
+        """Read ``folder`` and check that this run's config may continue it (`check_resume_config`)."""
+        contents = load_checkpoint(folder)
+        check_resume_config(contents.config_yaml, self.config, folder)
+        self.run_id = contents.trainer_state.get("run_id") or self.run_id
+        return contents
+
+
+def check_resume_config(saved_yaml: str, config: TrainerConfig, folder: Path) -> None:
+    """Refuse a resume whose config changes the past, unless each change is opted into."""
+    old = yaml.safe_load(saved_yaml) or {}
+    changes = config_changes(old, config_to_dict(config), config.resume_allow_changes)
+    if not changes:
+        return
+    listed = "\n".join(f"  {key}: {a!r} (checkpoint) -> {b!r} (now)" for key, a, b in changes)
+    keys = ",".join(key for key, _, _ in changes)
+    raise CheckpointError(
+        f"the config differs from the one {folder} was trained with, in keys that change the run's past:\n"
+        f"{listed}\nRestore them, or accept the changes with resume_allow_changes=[{keys}] "
+        "(the new values then take effect from the next step)."
     )

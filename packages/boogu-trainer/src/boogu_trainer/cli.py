@@ -18,7 +18,6 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 import yaml
 
@@ -29,6 +28,7 @@ from boogu_trainer.config import (
     config_reference_markdown,
     config_to_dict,
     demo_config,
+    describe,
     load_config,
 )
 
@@ -63,27 +63,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
 
 
 def _key_lines() -> list[str]:
-    from boogu_trainer._configlib import describe
-
-    return [f"  {key:34s} {doc}" for key, tp, _, doc in describe(TrainerConfig) if tp != "section"]
-
-
-def _fresh_run_dir(config: TrainerConfig) -> TrainerConfig:
-    """A fresh run never overwrites a run that has checkpoints: it moves to ``name_1``, ``name_2``, ..."""
-    from boogu_trainer.checkpoint import complete_checkpoints
-
-    if config.resume or not complete_checkpoints(config.run_path / "checkpoints"):
-        return config
-    base = config.logging.name
-    i = 1
-    while complete_checkpoints(Path(config.logging.run_dir).expanduser() / f"{base}_{i}" / "checkpoints"):
-        i += 1
-    new = load_config(None, [f"logging.name={base}_{i}"], base=config)
-    print(
-        f"note: {config.run_path} already has checkpoints; this fresh run writes to {new.run_path} "
-        f"(pass resume=auto to continue the old one)"
-    )
-    return new
+    return [f"  {key:34s} {doc}" for key, tp, _, doc in describe() if tp != "section"]
 
 
 def _quiet_libraries() -> None:
@@ -117,60 +97,67 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(config: TrainerConfig, *, demo: bool = False) -> int:
-    from boogu_trainer.distributed import DistEnv
-    from boogu_trainer.loop import Trainer, TrainingStopped, resolve_device, summarize_rewards
+    """Train with ``config`` (under torchrun: this rank's part); returns the process exit code."""
+    from boogu_trainer.checkpoint import CheckpointError
+    from boogu_trainer.distributed import CollectiveTimeout, DistEnv
+    from boogu_trainer.loop import Trainer, TrainingStopped, resolve_device
+    from boogu_trainer.metrics import reward_verdict, summarize_rewards
 
     _quiet_libraries()
     device = resolve_device(config.model.device)
-    dist = DistEnv.from_environment(config.distributed.backend, device.type)
-    config = _fresh_run_dir(config) if dist.world_size == 1 else config
+    dist = DistEnv.from_environment(config.distributed.backend, device.type, config.distributed.timeout_s)
     main_rank = dist.is_main
-    if main_rank:
-        what = (
-            "demo: tiny random Boogu checkpoint, built-in prompts"
-            if demo
-            else f"model {config.model.path or 'tiny'}"
-        )
-        print(
-            f"boogu-trainer {__version__} | {what} | {config.total_steps} steps | outputs: {config.run_path}"
-        )
-    t0 = time.perf_counter()
-    trainer = Trainer(config, dist=dist)
-    if config.resume:
-        folder = trainer.resume(config.resume)
-        if main_rank:
-            print(
-                f"resumed from {folder} at step {trainer.step}"
-                if folder
-                else "no checkpoint yet: starting fresh"
-            )
     bar = None
-    if main_rank and config.logging.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
-
-    def progress(step: int, record: dict) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(reward=f"{record['reward/mean']:.4f}", s_per_step=f"{record['time/step']:.1f}")
-
+    t0 = time.perf_counter()
     try:
+        trainer = Trainer(config, dist=dist)
+        config = trainer.config  # a fresh run may have moved to an unused folder
+        if main_rank:
+            if trainer.run_note:
+                print(trainer.run_note)
+            what = (
+                "demo: tiny random Boogu checkpoint, built-in prompts"
+                if demo and not config.model.path and not config.data.train_files
+                else f"model {config.model.path or 'tiny random checkpoint'}, "
+                f"data {', '.join(config.data.train_files) or 'built-in prompts'}"
+            )
+            print(
+                f"boogu-trainer {__version__} | {what} | {config.total_steps} steps | "
+                f"{dist.world_size} rank(s) | outputs: {config.run_path}"
+            )
+        if config.resume:
+            folder = trainer.resume(config.resume)
+            if main_rank:
+                print(
+                    f"resumed from {folder} at step {trainer.step}"
+                    if folder
+                    else "no checkpoint yet: starting fresh"
+                )
+        if main_rank and config.logging.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=config.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
+
+        def progress(step: int, record: dict) -> None:
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{record['reward/mean']:.4f}", s_per_step=f"{record['time/step']:.1f}"
+                )
+
         history = trainer.train(progress)
     except TrainingStopped as e:
         print(f"trainer: stopped: {e}", file=sys.stderr)
         return 3
+    except (CheckpointError, CollectiveTimeout) as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 4
     finally:
         if bar is not None:
             bar.close()
         dist.close()
     if main_rank:
-        s = summarize_rewards(history)
-        verdict = "up" if s["gain"] > 2 * s["stderr"] else "not clearly up"
-        print(
-            f"\nreward, first {s['window']} steps: {s['first']:.4f} | last {s['window']} steps: {s['last']:.4f} | "
-            f"gain {s['gain']:+.4f} (2 x std err = {2 * s['stderr']:.4f}): {verdict}"
-        )
+        print("\n" + reward_verdict(summarize_rewards(history)))
         print(f"done in {time.perf_counter() - t0:.0f} s. outputs in {config.run_path}:")
         for name in ("metrics.jsonl", "reward_curve.png", "samples/", "checkpoints/", "config.yaml"):
             print(f"  {config.run_path / name}")

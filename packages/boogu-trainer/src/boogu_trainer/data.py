@@ -3,14 +3,15 @@ drawn in a deterministic, resumable order."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from boogu_data import PromptRecord, read_records
+from boogu_data import PromptRecord, dataset_files, read_records
 from boogu_data.convert import first_quoted_span
+from boogu_schedule import derive_seed
 
 
 def demo_records(limit: int = 32) -> list[PromptRecord]:
@@ -30,17 +31,75 @@ def demo_records(limit: int = 32) -> list[PromptRecord]:
     return records
 
 
-def load_records(files: Sequence[str]) -> list[PromptRecord]:
-    """Every record of the given parquet files or folders, validated by boogu-data."""
+def load_sourced_records(files: Sequence[str]) -> tuple[list[PromptRecord], list[str]]:
+    """Every record of the given parquet files or folders, validated by boogu-data, and where each
+    came from (for error messages): ``sources[i]`` is ``"<parquet file> row <r>"``, ``r`` counting
+    from 0 within that file (a folder stands for its ``*.parquet`` files, as
+    :func:`boogu_data.dataset_files` lists them)."""
     records: list[PromptRecord] = []
+    sources: list[str] = []
     for f in files:
         path = Path(f).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"data file {path} does not exist (data.train_files / data.val_files)")
-        records.extend(read_records(path))
+        for file in dataset_files(path):
+            before = len(records)
+            records.extend(read_records(file))
+            sources.extend(f"{file} row {row}" for row in range(len(records) - before))
     if not records:
         raise ValueError(f"no records in {list(files)}")
-    return records
+    return records, sources
+
+
+def load_records(files: Sequence[str]) -> list[PromptRecord]:
+    """Every record of the given parquet files or folders, validated by boogu-data."""
+    return load_sourced_records(files)[0]
+
+
+CountTokens = Callable[[Sequence[str], Sequence[bytes | None] | None], list[int]]
+"""Token counts of a batch of prompts, as the engine's prompt encoder would see them
+(``QwenPromptEncoder.token_counts``): instructions and their reference images (None: text-only)."""
+
+
+def check_prompt_lengths(
+    records: Sequence[PromptRecord],
+    sources: Sequence[str],
+    count_tokens: CountTokens,
+    limit: int,
+    *,
+    key: str = "model.max_sequence_length",
+) -> None:
+    """Refuse a dataset with a prompt longer than ``limit`` tokens, before training starts.
+
+    Positives are counted with their reference image, negatives text-only, as the rollout engine
+    encodes them. Without this check such a prompt fails only at the step that draws it.
+
+    Raises:
+        ValueError: naming the first offending row's source, its token count, ``limit`` and
+            ``key``, and how many rows exceed the limit.
+    """
+    if len(sources) != len(records):
+        raise ValueError(f"{len(sources)} sources for {len(records)} records; pass one source per record")
+    if not records:
+        return
+    images = [r.ref_image for r in records]
+    positive = count_tokens(
+        [r.instruction for r in records], images if any(b is not None for b in images) else None
+    )
+    negative = count_tokens([r.negative for r in records], None)
+    too_long = [i for i in range(len(records)) if max(positive[i], negative[i]) > limit]
+    if not too_long:
+        return
+    i = too_long[0]
+    which, text, tokens = (
+        ("prompt", records[i].instruction, positive[i])
+        if positive[i] > limit
+        else ("negative prompt", records[i].negative, negative[i])
+    )
+    raise ValueError(
+        f"{sources[i]}: the {which} {text[:60]!r} has {tokens} tokens, more than {key}={limit}; "
+        f"{len(too_long)} of {len(records)} rows exceed it. Shorten or drop those prompts, or raise {key}"
+    )
 
 
 class PromptSampler:
@@ -65,7 +124,7 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.records)))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, "data", epoch))
         return torch.randperm(len(self.records), generator=g).tolist()
 
     def next_batch(self) -> list[PromptRecord]:

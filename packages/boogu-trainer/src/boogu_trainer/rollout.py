@@ -1,0 +1,157 @@
+"""Rollout and scoring: prompts in, a scored batch with group-normalised advantages out.
+
+`RolloutScorer` is the one place that turns the sampler config into a `RolloutRequest` (the
+config has already checked sizes and windows when it loaded), runs the engine on this rank's
+prompt groups, scores the images, gathers the rewards of every rank and normalises them within
+groups (`compute_advantages`). Every rank ends with the same global statistics and its own
+slice of advantages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from boogu_adapters.rollout import LocalRolloutEngine
+from boogu_adapters.types import RolloutRequest, Trajectory
+from boogu_data import PromptRecord
+from boogu_schedule import derive_seed
+from boogu_trainer.advantages import Advantages, compute_advantages
+from boogu_trainer.config import TrainerConfig
+from boogu_trainer.distributed import DistEnv
+from boogu_trainer.rewards import RewardOutput, WeightedRewards
+
+logger = logging.getLogger("boogu_trainer")
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """One step's rollouts on this rank, scored, with advantages from the whole global batch."""
+
+    trajectory: Trajectory
+    records: list[PromptRecord]
+    """This rank's prompts (one per group)."""
+    scores: RewardOutput
+    """This rank's rewards, as scored."""
+    advantages: torch.Tensor
+    """(b,) float32 on the device: this rank's samples' advantages (0 where the reward was not finite)."""
+    finite: torch.Tensor
+    """(b,) bool: this rank's samples with finite rewards."""
+    global_advantages: Advantages
+    """The whole batch's advantages and rewards (same on every rank)."""
+    metrics: dict[str, Any]
+    """Reward statistics, advantage statistics, encoder counters of the step."""
+
+
+class RolloutScorer:
+    """Rolls out prompt groups with the engine and scores them with the rewards."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        engine: LocalRolloutEngine,
+        rewards: WeightedRewards,
+        dist: DistEnv,
+        device: torch.device,
+    ):
+        self.config = config
+        self.engine = engine
+        self.rewards = rewards
+        self.dist = dist
+        self.device = device
+        self.window = config.sampler.window_plan
+
+    def request(self, records: list[PromptRecord], group_offset: int, step: int) -> RolloutRequest:
+        s = self.config.sampler
+        return RolloutRequest(
+            records=records,
+            group_size=self.config.algorithm.group_size,
+            num_steps=s.num_steps,
+            guidance_scale=s.guidance_scale,
+            sampler=s.sampler,
+            noise_level=s.noise_level,
+            window=self.window,
+            height=s.height,
+            width=s.width,
+            seed=derive_seed(self.config.seed, "rollout", step),
+            group_offset=group_offset,
+            iteration=step,
+            decode=True,
+        )
+
+    def run(self, records: list[PromptRecord], group_offset: int, step: int) -> ScoredBatch:
+        """Roll out ``records`` (this rank's groups, the first being global group ``group_offset``)."""
+        stats = self.engine.stats
+        before = (stats.prompts_encoded, stats.negatives_encoded, stats.seconds.get("encode", 0.0))
+        traj = self.engine.generate(self.request(records, group_offset, step))
+        n = self.config.algorithm.group_size
+        scores = self.rewards(traj.images, [r for r in records for _ in range(n)])
+
+        per_reward = {
+            k: self.dist.all_gather_cat(v.float(), f"gather reward {k!r}")
+            for k, v in scores.per_reward.items()
+        }
+        group_id = self.dist.all_gather_cat(traj.group_id.cpu(), "gather group ids")
+        a = self.config.algorithm
+        adv = compute_advantages(
+            per_reward,
+            self.rewards.weights,
+            group_id,
+            std_scope=a.std_scope,
+            normalize_std=a.normalize_std,
+            eps=a.adv_eps,
+            clip=a.adv_clip,
+            per_reward_normalization=a.per_reward_normalization,
+            sign=a.advantage_sign,
+        )
+        lo, hi = group_offset * n, (group_offset + len(records)) * n
+        counts = torch.tensor(
+            [
+                stats.prompts_encoded - before[0],
+                stats.negatives_encoded - before[1],
+                sum(r.ref_image is not None for r in records) * n,
+                len(records),
+            ],
+            dtype=torch.float64,
+        )
+        counts = self.dist.all_reduce_sum(counts, "sum encoder counters")
+        metrics = reward_metrics({"reward": adv.rewards, **per_reward})
+        metrics.update(adv.stats())
+        metrics.update(
+            {
+                "prompt_encodings_per_prompt": float(counts[0] / counts[3]),
+                "negative_encodings": int(counts[1]),
+                "edit_samples": int(counts[2]),
+                "samples": int(counts[3]) * n,
+                "time/encode": stats.seconds.get("encode", 0.0) - before[2],
+            }
+        )
+        if not bool(adv.finite.all()):
+            logger.warning(
+                "step %d: %d samples with non-finite rewards get no gradient",
+                step + 1,
+                int((~adv.finite).sum()),
+            )
+        return ScoredBatch(
+            trajectory=traj,
+            records=records,
+            scores=scores,
+            advantages=adv.advantages[lo:hi].to(self.device),
+            finite=adv.finite[lo:hi],
+            global_advantages=adv,
+            metrics=metrics,
+        )
+
+
+def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``<name>/mean`` and ``<name>/std`` over the finite entries of each (B,) reward (NaN if none)."""
+    out: dict[str, float] = {}
+    for name, v in rewards.items():
+        finite = v[torch.isfinite(v)]
+        out[f"{name}/mean"] = float(finite.mean()) if finite.numel() else math.nan
+        out[f"{name}/std"] = float(finite.std(unbiased=False)) if finite.numel() else math.nan
+    return out
