@@ -161,7 +161,11 @@ def test_a_fresh_run_moves_away_from_a_used_folder_and_leaves_it_untouched(tmp_p
     (tmp_path / "run_1" / "x").write_text("")
     assert resolve_run_folder(cfg, DistEnv())[0].logging.name == "run_2"
     resumed = load_config(None, [f"logging.run_dir={tmp_path}", "logging.name=run", "resume=auto"])
-    assert resolve_run_folder(resumed, DistEnv())[0].run_path == cfg.run_path
+    assert resolve_run_folder(resumed, DistEnv())[0].run_path == cfg.run_path  # no checkpoint anywhere
+    # resume=auto continues the newest run of that name that has a checkpoint.
+    checkpointer(moved, "b").save(1, contents(1.0, "b"))
+    newest, note = resolve_run_folder(resumed, DistEnv())
+    assert newest.logging.name == "run_1" and "resuming" in note
     assert tree_digest(cfg.run_path) == before
 
 

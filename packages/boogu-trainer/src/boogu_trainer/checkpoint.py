@@ -214,25 +214,33 @@ def resolve_run_folder(config: TrainerConfig, dist: DistEnv) -> tuple[TrainerCon
     """The config with the run folder this run writes to, and a note for the user (or None).
 
     A fresh run (``resume=''``) never writes into a folder that holds anything: it takes the first
-    unused ``name_1``, ``name_2``, ... . Rank 0 decides and every rank gets its decision, so a
-    torchrun job behaves exactly like one process.
+    unused ``name_1``, ``name_2``, ... . ``resume=auto`` continues the newest of those that has a
+    checkpoint. Rank 0 decides and every rank gets its decision, so a torchrun job behaves exactly
+    like one process.
     """
-    if config.resume:
+    if config.resume and config.resume != "auto":
         return config, None
     name = None
     if dist.is_main:
         base, parent = config.logging.name, Path(config.logging.run_dir).expanduser()
-        name, i = base, 0
-        while _used(parent / name):
-            i += 1
-            name = f"{base}_{i}"
+        names = [base]
+        while _used(parent / names[-1]):
+            names.append(f"{base}_{len(names)}")
+        if config.resume == "auto":
+            # The newest of name, name_1, ... that has a checkpoint: the run a fresh start moved to.
+            with_checkpoints = [n for n in names if checkpoint_folders(parent / n / "checkpoints")]
+            name = with_checkpoints[-1] if with_checkpoints else base
+        else:
+            name = names[-1]
     name = dist.broadcast_object(name, "choose the run folder")
     if name == config.logging.name:
         return config, None
     moved = replace(config, logging=replace(config.logging, name=name))
+    if config.resume:
+        return moved, f"note: resuming {moved.run_path}, the newest run named {config.logging.name!r}"
     note = (
         f"note: {config.run_path} is already used by another run; this fresh run writes to {moved.run_path} "
-        "(pass resume=auto to continue the old one)"
+        "(pass resume=auto to continue the newest one)"
     )
     return moved, note
 

@@ -34,6 +34,7 @@ from boogu_adapters.loading import BooguParts, load_boogu
 from boogu_adapters.lora import add_lora, is_lora_param
 from boogu_adapters.training import TrainingAdapter
 from boogu_data import PromptRecord
+from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.config import TrainerConfig, config_to_dict
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
@@ -98,12 +99,12 @@ class Trainer:
         )
         self.rewards = build_rewards(config.reward.rewards)
         self.data = PromptSampler(
-            self._records(config.data.train_files, "data.train_files"),
+            self._records(config.data.train_files),
             config.data.prompts_per_step,
             shuffle=config.data.shuffle,
             seed=config.seed,
         )
-        val = self._records(config.data.val_files, "data.val_files") if config.data.val_files else []
+        val = self._records(config.data.val_files) if config.data.val_files else []
         self.rollout = RolloutScorer(config, self.engine, self.rewards, self.dist, self.device)
         self.learner = Learner(
             config, self.transformer, TrainingAdapter(self.engine.freqs_cis), self.dist, self.device
@@ -155,7 +156,7 @@ class Trainer:
             transformer.enable_gradient_checkpointing()
         return transformer
 
-    def _records(self, files, key: str) -> list[PromptRecord]:
+    def _records(self, files) -> list[PromptRecord]:
         """The dataset's records, every prompt's token count checked now (naming file and row)."""
         if files:
             records, sources = load_sourced_records(files)
@@ -175,7 +176,9 @@ class Trainer:
             self.metrics.truncate_to(0)
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            atomic_write_text(
+                self.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+            )
         try:
             while self.step < cfg.total_steps:
                 result = self.train_step()
