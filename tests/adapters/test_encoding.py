@@ -5,6 +5,7 @@ The conventions are those of ``docs/upstream-model.md`` §9.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import re
@@ -18,6 +19,8 @@ from PIL import Image
 
 from boogu_adapters.components import QwenPromptEncoder
 from boogu_adapters.encoding import (
+    MAX_VLM_REFERENCE_PIXELS,
+    MAX_VLM_REFERENCE_SIDE,
     PromptEmbeds,
     count_prompt_tokens,
     decode_latents,
@@ -27,8 +30,10 @@ from boogu_adapters.encoding import (
     latents_to_vae,
     num_instruction_feature_layers,
     preprocess_reference_image,
+    preprocess_vlm_images,
     resolve_output_size,
     vae_to_latents,
+    vlm_image_sizes,
 )
 
 # Digests of upstream's two system prompts, from docs/upstream-model.md §9.1: the test does not
@@ -113,12 +118,76 @@ def test_several_feature_layers(tiny_parts) -> None:
     )
 
 
-def test_vlm_images_come_first_and_follow_the_processor_sizing(tiny_parts) -> None:
-    image = _noise_image(300, 200)  # upstream would cap it at 384² first; the processor decides here
+# (height, width) -> the VLM copy's size under upstream's preprocess_vlm_input_pil_images, worked out
+# by hand from BooguImageProcessor.get_new_height_width with max_pixels 384², side 768, multiple 16:
+# ratio = min((147456 / (H W)) ** 0.5, 768 / max(H, W), 1), side = int(side * ratio) // 16 * 16.
+UPSTREAM_VLM_SIZES = {
+    (40, 72): (32, 64),  # under the cap (ratio 1): only floored to multiples of 16
+    (72, 40): (64, 32),
+    (400, 500): (336, 416),  # ratio 0.858650: 343.46 -> 336, 429.33 -> 416
+    (500, 400): (416, 336),
+    (1200, 1200): (384, 384),  # ratio 0.32: the area cap
+    (1152, 1152): (384, 384),  # ratio 1/3 as a float: 1152 * ratio is 384.0, so 384, not 368
+    (2000, 3000): (304, 464),  # ratio 0.156767: 313.53 -> 304, 470.30 -> 464
+    (100, 2000): (32, 768),  # the 768 side cap binds (ratio 0.384): 38.4 -> 32, 768
+    (384, 384): (384, 384),  # exactly at the cap: kept
+    (16, 16): (16, 16),  # never upsampled
+}
+
+
+def test_vlm_caps_are_upstreams() -> None:
+    # pipeline_boogu.py __call__ defaults: max_vlm_input_pil_pixels=384 * 384, max_vlm_input_pil_side_length=384 * 2.
+    assert (MAX_VLM_REFERENCE_PIXELS, MAX_VLM_REFERENCE_SIDE) == (147456, 768)
+
+
+@pytest.mark.parametrize("size", list(UPSTREAM_VLM_SIZES))
+def test_vlm_image_sizes_upstream(size) -> None:
+    assert vlm_image_sizes([size]) == [UPSTREAM_VLM_SIZES[size]]
+    assert vlm_image_sizes([size], vlm_view="processor") == [size]
+
+
+def test_vlm_later_images_take_the_first_ones_size() -> None:
+    # Upstream's loop passes the first image's new (height, width) on to the next images.
+    assert vlm_image_sizes([(400, 500), (1200, 1200), (40, 72)]) == [(336, 416)] * 3
+    assert vlm_image_sizes([(400, 500), (40, 72)], vlm_view="processor") == [(400, 500), (40, 72)]
+    assert vlm_image_sizes([]) == []
+    with pytest.raises(ValueError, match="vlm_view"):
+        vlm_image_sizes([(40, 72)], vlm_view="qwen")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="smaller than 16 px"):
+        vlm_image_sizes([(8, 72)])
+
+
+@pytest.mark.parametrize("size", [(40, 72), (400, 500), (1200, 1200)])
+def test_preprocess_vlm_images_is_a_lanczos_resize(size) -> None:
+    height, width = size
+    image = _noise_image(height, width, seed=height)
+    (got,) = preprocess_vlm_images([image])
+    want_h, want_w = UPSTREAM_VLM_SIZES[size]
+    want = image.resize((want_w, want_h), resample=Image.Resampling.LANCZOS)
+    assert got.size == (want_w, want_h) and got.mode == "RGB"
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    (same,) = preprocess_vlm_images([image], vlm_view="processor")
+    assert np.array_equal(np.asarray(same), np.asarray(image))
+    # Greyscale is promoted to RGB before the resize; Lanczos works per channel, so the pixels are
+    # those of upstream's order (resize the greyscale image, then the processor's RGB conversion).
+    grey_image = image.convert("L")
+    (grey,) = preprocess_vlm_images([grey_image])
+    grey_want = grey_image.resize((want_w, want_h), resample=Image.Resampling.LANCZOS).convert("RGB")
+    assert np.array_equal(np.asarray(grey), np.asarray(grey_want))
+
+
+@pytest.mark.parametrize("vlm_view", ["upstream", "processor"])
+def test_vlm_images_come_first_sized_by_the_view(tiny_parts, vlm_view) -> None:
+    image = _noise_image(300, 200)  # sides not multiples of 16: upstream gives the processor 288x192
     embeds = encode_prompts(
-        tiny_parts.text_encoder, tiny_parts.processor, ["make it blue", ""], images=[[image], None]
+        tiny_parts.text_encoder,
+        tiny_parts.processor,
+        ["make it blue", ""],
+        images=[[image], None],
+        vlm_view=vlm_view,
     )
-    grid = tiny_parts.processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+    seen = image.resize((192, 288), resample=Image.Resampling.LANCZOS) if vlm_view == "upstream" else image
+    grid = tiny_parts.processor.image_processor(images=[seen], return_tensors="pt")["image_grid_thw"][0]
     merge = tiny_parts.processor.image_processor.merge_size
     n_tokens = int(grid.prod()) // merge**2
     system, user = _split_turns(_decode_row(tiny_parts, embeds, 0))
@@ -126,6 +195,51 @@ def test_vlm_images_come_first_and_follow_the_processor_sizing(tiny_parts) -> No
     assert user == "<|vision_start|>" + "<|image_pad|>" * n_tokens + "<|vision_end|>make it blue"
     # The text-only negative in the same batch has no image tokens.
     assert "<|vision_start|>" not in _decode_row(tiny_parts, embeds, 1)
+    # The features are those of the processor-view encode of the image the view hands over.
+    direct = encode_prompts(
+        tiny_parts.text_encoder,
+        tiny_parts.processor,
+        ["make it blue", ""],
+        images=[[seen], None],
+        vlm_view="processor",
+    )
+    torch.testing.assert_close(embeds.hidden_states, direct.hidden_states, rtol=0, atol=0)
+
+
+def test_vlm_views_give_different_features(tiny_parts) -> None:
+    image = _noise_image(40, 72)
+    upstream, processor = (
+        encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["x"], images=[[image]], vlm_view=v)
+        for v in ("upstream", "processor")
+    )
+    assert upstream.hidden_states.shape == processor.hidden_states.shape
+    assert not torch.equal(upstream.hidden_states, processor.hidden_states)
+    with pytest.raises(ValueError, match="vlm_view"):
+        encode_prompts(tiny_parts.text_encoder, tiny_parts.processor, ["x"], vlm_view="raw")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="vlm_view"):
+        QwenPromptEncoder(None, tiny_parts.processor, vlm_view="raw")  # type: ignore[arg-type]
+
+
+# Qwen3-VL's released image-processor bounds (preprocessor_config.json "size"): 256² .. 4096² pixels.
+QWEN3_VL_SIZE = {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}
+
+
+@pytest.mark.parametrize(
+    ("side", "upstream", "processor"),
+    [
+        (512, 144, 256),  # 384² / 32² = 144; 512² / 32² = 256
+        (1024, 144, 1024),
+        (1200, 144, 1444),  # smart resize rounds 1200 to 1216: 38² tokens, above the 1280 cap
+    ],
+)
+def test_vision_tokens_with_the_released_processor_bounds(tiny_parts, side, upstream, processor) -> None:
+    real = copy.deepcopy(tiny_parts.processor)
+    real.image_processor.size = dict(QWEN3_VL_SIZE)
+    for view, want in (("upstream", upstream), ("processor", processor)):
+        got = count_prompt_tokens(real, ["x"], [[(side, side)]], vlm_view=view)[0]
+        # A 256² reference is 8² merged patches under both views (under the caps, a multiple of 32).
+        known = count_prompt_tokens(real, ["x"], [[(256, 256)]], vlm_view=view)[0]
+        assert got - known == want - 64, view
 
 
 def test_encode_prompts_rejects_bad_input(tiny_parts) -> None:
@@ -159,7 +273,8 @@ def test_token_counts_equal_the_real_encode_t2i(tiny_parts) -> None:
     assert QwenPromptEncoder(None, tiny_parts.processor).token_counts(instructions, None) == want
 
 
-def test_token_counts_equal_the_real_encode_with_reference_images(tiny_parts) -> None:
+@pytest.mark.parametrize("vlm_view", ["upstream", "processor"])
+def test_token_counts_equal_the_real_encode_with_reference_images(tiny_parts, vlm_view) -> None:
     # The tiny image processor resizes to between 32² and 64² pixels: these sizes are enlarged,
     # kept, shrunk, and of extreme aspect; one is greyscale, one a JPEG.
     sizes = [(16, 16), (32, 32), (48, 80), (300, 200), (1000, 64), (64, 1000), (333, 517)]
@@ -172,10 +287,13 @@ def test_token_counts_equal_the_real_encode_with_reference_images(tiny_parts) ->
     # Edit rows and text-only rows in one batch, as a mixed dataset would be counted.
     all_images = [*images, None, None]
     all_instructions = [*instructions, "make it blue", ""]
-    encoder = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor, max_sequence_length=10**6)
+    encoder = QwenPromptEncoder(
+        tiny_parts.text_encoder, tiny_parts.processor, max_sequence_length=10**6, vlm_view=vlm_view
+    )
     _, mask = encoder(all_instructions, all_images)
     want = mask.sum(dim=1).tolist()
-    assert QwenPromptEncoder(None, tiny_parts.processor).token_counts(all_instructions, all_images) == want
+    counter = QwenPromptEncoder(None, tiny_parts.processor, vlm_view=vlm_view)
+    assert counter.token_counts(all_instructions, all_images) == want
     # Image tokens do count: the same text with an image is longer than without.
     assert want[0] > want[-2]
 
@@ -188,7 +306,8 @@ def test_count_prompt_tokens_equals_the_mask_sum(tiny_parts, instructions: list[
 
 @pytest.mark.parametrize("size", [(16, 16), (40, 40), (48, 80), (300, 200), (1000, 64), (4000, 3000)])
 @pytest.mark.parametrize("from_header", [True, False], ids=["resize-rule", "processor-run"])
-def test_image_tokens_from_the_size(tiny_parts, monkeypatch, size, from_header: bool) -> None:
+@pytest.mark.parametrize("vlm_view", ["upstream", "processor"])
+def test_image_tokens_from_the_size(tiny_parts, monkeypatch, size, from_header: bool, vlm_view) -> None:
     processor = tiny_parts.processor
     if not from_header:
         # An image processor without the resize rule: the count comes from running it instead.
@@ -197,9 +316,9 @@ def test_image_tokens_from_the_size(tiny_parts, monkeypatch, size, from_header: 
     image = Image.new("RGB", (width, height))
     other = _noise_image(32, 32)
     embeds = encode_prompts(
-        tiny_parts.text_encoder, processor, ["a", "b c"], images=[[image], [image, other]]
+        tiny_parts.text_encoder, processor, ["a", "b c"], images=[[image], [image, other]], vlm_view=vlm_view
     )
-    got = count_prompt_tokens(processor, ["a", "b c"], [[size], [size, (32, 32)]])
+    got = count_prompt_tokens(processor, ["a", "b c"], [[size], [size, (32, 32)]], vlm_view=vlm_view)
     assert got == embeds.attention_mask.sum(1).tolist()
 
 

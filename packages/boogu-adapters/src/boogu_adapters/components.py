@@ -6,11 +6,13 @@ import io
 import time
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import get_args
 
 import torch
 from PIL import Image
 
 from boogu_adapters.encoding import (
+    VlmView,
     count_prompt_tokens,
     decode_latents,
     encode_prompts,
@@ -31,10 +33,18 @@ class QwenPromptEncoder:
 
     A prompt longer than ``max_sequence_length`` tokens is an error naming it: upstream keeps the
     whole prompt by default, and silently cutting it (the reference's defect) changes the task.
+    ``vlm_view`` is how an edit's reference reaches the processor (:data:`encoding.VlmView`);
+    :meth:`__call__` and :meth:`token_counts` both follow it.
     """
 
     def __init__(
-        self, text_encoder, processor, *, max_sequence_length: int = 1280, num_feature_layers: int = 1
+        self,
+        text_encoder,
+        processor,
+        *,
+        max_sequence_length: int = 1280,
+        num_feature_layers: int = 1,
+        vlm_view: VlmView = "upstream",
     ):
         if num_feature_layers != 1:
             raise NotImplementedError(
@@ -42,12 +52,17 @@ class QwenPromptEncoder:
             )
         self.text_encoder, self.processor = text_encoder, processor
         self.max_sequence_length = max_sequence_length
+        if vlm_view not in get_args(VlmView):
+            raise ValueError(f"vlm_view must be one of {get_args(VlmView)}, got {vlm_view!r}")
+        self.vlm_view: VlmView = vlm_view
         self.seconds = 0.0
 
     def __call__(self, instructions: Sequence[str], images: Sequence[bytes | None] | None):
         t0 = time.perf_counter()
         pil = None if images is None else [None if b is None else [_decode_image(b)] for b in images]
-        embeds = encode_prompts(self.text_encoder, self.processor, list(instructions), pil)
+        embeds = encode_prompts(
+            self.text_encoder, self.processor, list(instructions), pil, vlm_view=self.vlm_view
+        )
         lengths = embeds.attention_mask.sum(dim=1)
         too_long = (lengths > self.max_sequence_length).nonzero().flatten().tolist()
         if too_long:
@@ -67,7 +82,7 @@ class QwenPromptEncoder:
         if images is not None and len(images) != len(instructions):
             raise ValueError(f"images has {len(images)} entries for {len(instructions)} instructions")
         sizes = None if images is None else [None if b is None else [_pixel_size(b)] for b in images]
-        return count_prompt_tokens(self.processor, list(instructions), sizes)
+        return count_prompt_tokens(self.processor, list(instructions), sizes, vlm_view=self.vlm_view)
 
 
 class VaeCodec:
@@ -137,9 +152,11 @@ def build_local_engine(
     max_sequence_length: int = 1280,
     cfg_mode: CfgMode = "batched",
     device: torch.device | str | None = None,
+    edit_vlm_view: VlmView = "upstream",
 ) -> LocalRolloutEngine:
     """A :class:`LocalRolloutEngine` over the parts (``transformer`` overrides ``parts.transformer``,
-    e.g. the LoRA-injected module the trainer trains)."""
+    e.g. the LoRA-injected module the trainer trains; ``edit_vlm_view`` is the prompt encoder's
+    ``vlm_view``)."""
     model = transformer if transformer is not None else parts.transformer
     return LocalRolloutEngine(
         model,
@@ -148,6 +165,7 @@ def build_local_engine(
             parts.processor,
             max_sequence_length=max_sequence_length,
             num_feature_layers=num_instruction_feature_layers(model),
+            vlm_view=edit_vlm_view,
         ),
         codec=VaeCodec(parts.vae, parts.vae_scale_factor),
         schedule_config=parts.schedule_config,

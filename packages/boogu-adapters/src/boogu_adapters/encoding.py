@@ -9,6 +9,11 @@ below refer to that page):
   with right padding and no generation prompt, and the feature is the inner ``Qwen3VLModel``'s
   ``last_hidden_state`` over the whole templated sequence (system tokens included), with the
   processor's attention mask.
+* **Reference images, VLM path** (§9.5): by default (``vlm_view="upstream"``) resized as
+  upstream's ``preprocess_vlm_input_pil_images`` does before the processor sees them: area at
+  most ``MAX_VLM_REFERENCE_PIXELS`` (384²), long side at most ``MAX_VLM_REFERENCE_SIDE`` (768),
+  sides floored to multiples of 16, Lanczos, never upsampled, and a sample's later images resized
+  to its first one's size. ``vlm_view="processor"`` hands them to the processor as they are.
 * **Reference images, VAE path** (§9.5): resized so the area is at most ``max_pixels`` (2048²)
   and the long side at most 4096, sides floored to multiples of 16, never upsampled; scaled to
   ``[-1, 1]``; encoded; ``z = (z - shift_factor) * scaling_factor``.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -35,8 +40,11 @@ __all__ = [
     "DEFAULT_SIZE",
     "MAX_REFERENCE_PIXELS",
     "MAX_REFERENCE_SIDE",
+    "MAX_VLM_REFERENCE_PIXELS",
+    "MAX_VLM_REFERENCE_SIDE",
     "SIZE_MULTIPLE",
     "PromptEmbeds",
+    "VlmView",
     "count_prompt_tokens",
     "decode_latents",
     "encode_prompts",
@@ -45,8 +53,10 @@ __all__ = [
     "latents_to_vae",
     "num_instruction_feature_layers",
     "preprocess_reference_image",
+    "preprocess_vlm_images",
     "resolve_output_size",
     "vae_to_latents",
+    "vlm_image_sizes",
 ]
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 1280
@@ -59,6 +69,14 @@ SIZE_MULTIPLE = 16
 """Image sides are floored to multiples of this: VAE factor 8 times patch size 2."""
 DEFAULT_SIZE = 1024
 """Upstream's output side when a request gives none (``default_sample_size`` 128 x VAE factor 8)."""
+MAX_VLM_REFERENCE_PIXELS = 384 * 384
+"""Upstream ``__call__``'s ``max_vlm_input_pil_pixels`` default: the area cap of the VLM's copy of a reference."""
+MAX_VLM_REFERENCE_SIDE = 384 * 2
+"""Upstream ``__call__``'s ``max_vlm_input_pil_side_length`` default (768 px), the VLM copy's side cap."""
+
+VlmView = Literal["upstream", "processor"]
+"""How a reference reaches the Qwen processor: ``"upstream"`` resized first as upstream's pipeline
+does (:func:`preprocess_vlm_images`), ``"processor"`` as it is (the reference integration's way)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,7 @@ def encode_prompts(
     max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
     truncate: bool = False,
     num_feature_layers: int = 1,
+    vlm_view: VlmView = "upstream",
 ) -> PromptEmbeds:
     """Encode a batch of instructions (with optional reference images) as upstream does.
 
@@ -109,12 +128,14 @@ def encode_prompts(
     pipeline default, which the released model was sampled with. Negatives in edit mode are
     encoded text-only (pass ``images=None`` for them).
 
-    Reference images for the VLM are handed to the checkpoint processor as they are and sized by
-    its own rules (Qwen's smart resize between the processor's min and max pixels). This is a
-    known, documented deviation from upstream, which first shrinks each image to at most 384²
-    pixels and 768 px per side (and resizes a sample's later images to the first one's size): it
-    keeps the ``<|image_pad|>`` count consistent with what the processor tokenises, as in the
-    verl-omni reference integration (``docs/reference-integration.md`` §4).
+    Reference images for the VLM are by default (``vlm_view="upstream"``) first resized as
+    upstream's pipeline does (:func:`preprocess_vlm_images`: at most 384² pixels and 768 px per
+    side, sides floored to multiples of 16, Lanczos), then sized again by the processor's own
+    rules (Qwen's smart resize between its min and max pixels). ``vlm_view="processor"`` skips the
+    first resize, as the verl-omni reference integration does (``docs/reference-integration.md``
+    §4): it tokenised in another process than it encoded, so it let the processor alone size the
+    image. Tokenisation and encoding happen here in one call, so that reason does not apply and
+    the default follows upstream (``docs/upstream-model.md`` §9.5).
 
     Args:
         text_encoder: the inner ``Qwen3VLModel`` (``BooguParts.text_encoder``).
@@ -126,6 +147,7 @@ def encode_prompts(
         truncate: truncate long prompts (upstream's ``truncate_instruction_sequence``, default off).
         num_feature_layers: 1 returns ``last_hidden_state``; n > 1 returns the last n entries of
             the hidden-state tuple as a list (see :func:`num_instruction_feature_layers`).
+        vlm_view: ``"upstream"`` (default) or ``"processor"``, see above and :data:`VlmView`.
 
     Returns:
         PromptEmbeds on the text encoder's device, features in its dtype. Computed without grad.
@@ -136,13 +158,15 @@ def encode_prompts(
         raise ValueError("instructions is empty")
     if num_feature_layers < 1:
         raise ValueError(f"num_feature_layers must be >= 1, got {num_feature_layers}")
+    _check_vlm_view(vlm_view)
     if images is not None and len(images) != len(instructions):
         raise ValueError(
             f"images has {len(images)} entries for {len(instructions)} instructions; pass one list per instruction"
         )
     conversations = []
     for i, instruction in enumerate(instructions):
-        sample_images = [] if images is None or images[i] is None else [_as_rgb(im) for im in images[i]]
+        sample_images = [] if images is None or images[i] is None else images[i]
+        sample_images = preprocess_vlm_images(sample_images, vlm_view=vlm_view)
         conversations.append(build_messages(instruction, sample_images))
     inputs = processor.apply_chat_template(
         conversations,
@@ -183,16 +207,18 @@ def count_prompt_tokens(
     image_sizes: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     *,
     chunk_size: int = 1024,
+    vlm_view: VlmView = "upstream",
 ) -> list[int]:
     """How many tokens each prompt has in :func:`encode_prompts` (its ``attention_mask.sum(1)``), untruncated.
 
     The same messages and ``processor.apply_chat_template`` rendering as :func:`encode_prompts`, then
     the processor's tokenizer, but no text encoder and no pixels: the rendered text holds one
     ``<|image_pad|>`` per image, which the processor expands to ``grid_t * grid_h * grid_w / merge²``
-    copies, so each image adds that count minus one. The grid follows from the image's size alone
-    (Qwen's smart resize, ``image_processor.get_number_of_image_patches``); an image processor
-    without that rule, or with resizing off, is run on a blank image of that size instead.
-    Identical (instruction, image count) pairs are rendered and tokenised once.
+    copies, so each image adds that count minus one. The grid follows from the image's size alone:
+    the size ``vlm_view`` hands the processor (:func:`vlm_image_sizes`), then Qwen's smart resize
+    (``image_processor.get_number_of_image_patches``); an image processor without that rule, or
+    with resizing off, is run on a blank image of that size instead. Identical (instruction, image
+    count) pairs are rendered and tokenised once.
 
     Args:
         processor: the checkpoint's Qwen3-VL processor (``BooguParts.processor``).
@@ -200,6 +226,7 @@ def count_prompt_tokens(
         image_sizes: None, or B lists (possibly empty, or None) of reference image sizes as
             ``(height, width)`` in pixels, in the order :func:`encode_prompts` would get the images.
         chunk_size: unique prompts rendered and tokenised per call, bounding the memory it takes.
+        vlm_view: the view :func:`encode_prompts` is called with.
     """
     if isinstance(instructions, str):
         raise TypeError("instructions must be a sequence of strings, not a single string")
@@ -207,8 +234,11 @@ def count_prompt_tokens(
         raise ValueError(
             f"image_sizes has {len(image_sizes)} entries for {len(instructions)} instructions; pass one list per instruction"
         )
+    _check_vlm_view(vlm_view)
     sizes = [
-        [] if image_sizes is None or image_sizes[i] is None else list(image_sizes[i])
+        []
+        if image_sizes is None or image_sizes[i] is None
+        else vlm_image_sizes(image_sizes[i], vlm_view=vlm_view)
         for i in range(len(instructions))
     ]
     keys = [("" if text is None else text, len(sizes[i])) for i, text in enumerate(instructions)]
@@ -232,8 +262,7 @@ def count_prompt_tokens(
     counts = []
     for key, row_sizes in zip(keys, sizes):
         n = text_tokens[key]
-        for height, width in row_sizes:
-            size = (int(height), int(width))
+        for size in row_sizes:
             if size not in per_size:
                 per_size[size] = _image_token_count(processor, *size)
             n += per_size[size] - 1  # the one <|image_pad|> of the template becomes this many
@@ -255,6 +284,48 @@ def _image_token_count(processor: Any, height: int, width: int) -> int:
     blank = Image.new("RGB", (width, height))
     grid = image_processor(images=[blank], return_tensors="np")["image_grid_thw"][0]
     return int(np.prod(grid)) // merge**2
+
+
+def vlm_image_sizes(
+    sizes: Sequence[tuple[int, int]], *, vlm_view: VlmView = "upstream"
+) -> list[tuple[int, int]]:
+    """The ``(height, width)`` each reference image of one sample has when the processor gets it.
+
+    ``"upstream"`` follows ``BooguImagePipeline.preprocess_vlm_input_pil_images`` as
+    ``_get_instruction_feature_embeds`` calls it: :func:`fit_size` with the VLM caps
+    (``MAX_VLM_REFERENCE_PIXELS``, ``MAX_VLM_REFERENCE_SIDE``, multiples of 16). Its loop passes
+    the size found for the first image on as the next image's ``height``/``width``, so every later
+    image of a sample is resized to the first one's size (re-fitting that size leaves it as is).
+    ``"processor"`` keeps the sizes.
+    """
+    _check_vlm_view(vlm_view)
+    sizes = [(int(height), int(width)) for height, width in sizes]
+    if vlm_view == "processor":
+        return sizes
+    out: list[tuple[int, int]] = []
+    for size in sizes:
+        out.append(
+            fit_size(
+                *(out[0] if out else size),
+                max_pixels=MAX_VLM_REFERENCE_PIXELS,
+                max_side_length=MAX_VLM_REFERENCE_SIDE,
+            )
+        )
+    return out
+
+
+def preprocess_vlm_images(
+    images: Sequence[Image.Image], *, vlm_view: VlmView = "upstream"
+) -> list[Image.Image]:
+    """One sample's reference images as the VLM processor gets them (RGB, sized by :func:`vlm_image_sizes`).
+
+    Resized with Lanczos, as upstream's ``BooguImageProcessor.resize`` (diffusers' ``resample``
+    default "lanczos", no ``reducing_gap``). Converted to RGB first, as upstream's example scripts
+    do before calling the pipeline.
+    """
+    images = [_as_rgb(image) for image in images]
+    sizes = vlm_image_sizes([(image.height, image.width) for image in images], vlm_view=vlm_view)
+    return [_resize(image, height, width) for image, (height, width) in zip(images, sizes, strict=True)]
 
 
 def fit_size(
@@ -324,8 +395,7 @@ def preprocess_reference_image(
     height, width = fit_size(
         image.height, image.width, max_pixels=max_pixels, max_side_length=max_side_length
     )
-    if (image.height, image.width) != (height, width):
-        image = image.resize((width, height), resample=Image.Resampling.LANCZOS)
+    image = _resize(image, height, width)
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)  # (H, W, 3) in [0, 1]
     return (pixels.permute(2, 0, 1).unsqueeze(0) * 2.0 - 1.0).contiguous()
 
@@ -387,6 +457,18 @@ def _vae_factors(vae: Any) -> tuple[float, float]:
     # Upstream skips the shift when the config has none (SD-style VAEs); the FLUX VAE's is 0.1159.
     shift = config.shift_factor if getattr(config, "shift_factor", None) is not None else 0.0
     return float(shift), float(scale)
+
+
+def _resize(image: Image.Image, height: int, width: int) -> Image.Image:
+    """Lanczos resize (upstream's ``BooguImageProcessor`` default); Pillow returns a same-size image unresampled."""
+    if (image.height, image.width) == (height, width):
+        return image
+    return image.resize((width, height), resample=Image.Resampling.LANCZOS)
+
+
+def _check_vlm_view(vlm_view: str) -> None:
+    if vlm_view not in get_args(VlmView):
+        raise ValueError(f"vlm_view must be one of {get_args(VlmView)}, got {vlm_view!r}")
 
 
 def _as_rgb(image: Image.Image) -> Image.Image:

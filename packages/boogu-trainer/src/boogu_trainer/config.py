@@ -97,6 +97,8 @@ class ModelConfig:
     """Recompute activations in backward; null turns it on for models with hidden size >= 1024."""
     max_sequence_length: int = 1280
     """Prompt token cap (upstream's default); longer prompts are an error, never silently cut."""
+    edit_vlm_view: Literal["upstream", "processor"] = "upstream"
+    """An edit reference's VLM copy: resized to 384² first as upstream does, or as is (the reference's)."""
 
     def __post_init__(self) -> None:
         _check(self.max_sequence_length >= 16, "model.max_sequence_length", self.max_sequence_length, ">= 16")

@@ -96,6 +96,7 @@ class Trainer:
             max_sequence_length=config.model.max_sequence_length,
             cfg_mode=config.rollout.cfg_mode,
             device=self.device,
+            edit_vlm_view=config.model.edit_vlm_view,
         )
         self.rewards = build_rewards(config.reward.rewards)
         self.data = PromptSampler(
