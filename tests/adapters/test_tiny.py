@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from boogu_adapters import tiny
-from boogu_adapters.loading import load_schedule_config
+from boogu_adapters.loading import load_processor, load_schedule_config
 from boogu_adapters.model import get_freqs_cis
 from boogu_adapters.tiny import MARKER_NAME, ensure_tiny_checkpoint, is_complete_tiny_checkpoint, main
 
@@ -115,13 +115,37 @@ def test_weights_are_random_and_outputs_non_zero(tiny_parts) -> None:
     assert velocity.abs().mean() > 1e-3
 
 
-def test_fabricated_processor_loads_through_auto_processor(tiny_checkpoint: Path) -> None:
-    from transformers import AutoProcessor
+def test_fabricated_processor_has_the_released_layout(tiny_checkpoint: Path) -> None:
+    """processor/ holds a stock Qwen3VLProcessor's files and no remote code (what upstream's loader reads)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    processor = AutoProcessor.from_pretrained(
-        str(tiny_checkpoint / "processor"), trust_remote_code=True, local_files_only=True
-    )
-    assert type(processor).__name__ == "ImageOnlyQwen3VLProcessor"
+    folder = tiny_checkpoint / "processor"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "chat_template.jinja",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "video_preprocessor_config.json",
+    ]
+    configs = {
+        name: json.loads((folder / name).read_text())
+        for name in ("preprocessor_config.json", "video_preprocessor_config.json", "tokenizer_config.json")
+    }
+    assert {c["processor_class"] for c in configs.values()} == {"Qwen3VLProcessor"}
+    assert not any("auto_map" in c for c in configs.values())
+    assert configs["preprocessor_config.json"]["image_processor_type"] == "Qwen2VLImageProcessor"
+    assert configs["video_preprocessor_config.json"]["video_processor_type"] == "Qwen3VLVideoProcessor"
+    # The stock video processor class reads its config back (it needs torchvision only to process videos).
+    video = Qwen3VLVideoProcessor.from_pretrained(str(folder), local_files_only=True)
+    assert (video.patch_size, video.temporal_patch_size, video.merge_size) == (16, 2, 2)
+    assert json.loads((tiny_checkpoint / "model_index.json").read_text())["processor"] == [
+        "transformers",
+        "Qwen3VLProcessor",
+    ]
+
+
+def test_fabricated_tokenizer_round_trips(tiny_checkpoint: Path) -> None:
+    processor = load_processor(tiny_checkpoint)
     text = 'a sign that says "OPEN", ünïcödé 文字'
     ids = processor.tokenizer(text)["input_ids"]
     assert processor.tokenizer.decode(ids) == text

@@ -1,15 +1,20 @@
 """A Qwen3-VL processor without the video processor, so it works where torchvision does not.
 
-transformers' stock ``Qwen3VLProcessor`` always builds a video processor, and every Qwen3-VL video
-processor needs torchvision. Boogu never encodes video, so this subclass drops it and keeps the
-tokenizer, the image processor (``Qwen2VLImageProcessorPil`` when torchvision is missing) and the
-chat template. Token ids, pixel values and grids are exactly the stock processor's.
+Checkpoints name transformers' stock ``Qwen3VLProcessor`` (``model_index.json`` and the
+``processor_class`` of every file in ``processor/``), and the tiny checkpoint writes the same
+files. Without torchvision transformers 5.x cannot build that class at all: its
+``from_pretrained`` resolves the video processor through ``AutoVideoProcessor``, whose Qwen
+entries are torchvision-only (``transformers.Qwen3VLVideoProcessor`` is a placeholder that
+raises), and even ``Qwen3VLProcessor(image_processor, tokenizer, None)`` fails, because
+``ProcessorMixin.__init__`` type-checks every sub-processor against ``VideoProcessorMixin``, which
+transformers exports only when torchvision is installed.
 
-This file is self-contained on purpose (it imports only transformers): the tiny-checkpoint builder
-registers the class for ``AutoProcessor``, which copies this very file into the checkpoint's
-``processor/`` folder so that ``AutoProcessor.from_pretrained(..., trust_remote_code=True)`` works
-for third-party loaders too. :func:`boogu_adapters.loading.load_processor` never needs that: it
-uses the class directly and executes nothing from the checkpoint.
+Boogu never encodes video, so this subclass drops the video processor from its signature
+(``ProcessorMixin`` loads and checks only the sub-processors its ``__init__`` names) and keeps the
+tokenizer, the image processor (``Qwen2VLImageProcessorPil`` when torchvision is missing) and the
+chat template. It loads the released folder as is, ignoring ``video_preprocessor_config.json``;
+token ids, pixel values and grids are exactly the stock processor's. Nothing is registered with
+the Auto classes and nothing is written into checkpoints.
 """
 
 from __future__ import annotations
@@ -32,6 +37,3 @@ class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
         kwargs.pop("video_processor", None)
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
         self.video_processor = None
-
-
-ImageOnlyQwen3VLProcessor.register_for_auto_class("AutoProcessor")

@@ -296,6 +296,10 @@ def load_text_encoder(
 def load_processor(path: str | os.PathLike[str]) -> ImageOnlyQwen3VLProcessor:
     """Load ``<path>/processor`` (tokenizer, image processor, chat template); no remote code.
 
+    The folder is the released stock ``Qwen3VLProcessor`` layout; its
+    ``video_preprocessor_config.json`` is not read (a stock processor needs torchvision, see
+    :mod:`boogu_adapters._processor`).
+
     The tokenizer must pad on the right (Boogu's RoPE text positions assume it); the released
     processor does, and :func:`boogu_adapters.encoding.encode_prompts` passes
     ``padding_side="right"`` on every call anyway.

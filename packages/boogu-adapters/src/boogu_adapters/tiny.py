@@ -10,7 +10,8 @@ loader path runs on a laptop in seconds::
                               its decoder is initialised smooth, so decoded colours follow the latents
     mllm/                     a Qwen3VLForConditionalGeneration whose text width is the transformer's
                               instruction feature width
-    processor/                tokenizer, image processor, chat template
+    processor/                a stock Qwen3VLProcessor's files: tokenizer, preprocessor_config.json (image),
+                              video_preprocessor_config.json, chat_template.jinja; no remote code
     scheduler/                scheduler_config.json with the released Boogu keys (+ shim)
 
 Every weight is random and seeded; the transformer's zero-initialised adaLN and output head are
@@ -48,9 +49,9 @@ from diffusers import AutoencoderKL
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from boogu_adapters import __version__
-from boogu_adapters._processor import ImageOnlyQwen3VLProcessor
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
 from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
 from boogu_data.atomic import commit_folder, recover_folder, remove_stale, stage_folder
@@ -72,11 +73,14 @@ DEFAULT_TINY_PATH = "~/models/tiny-random/Boogu-Image"
 MARKER_NAME = ".boogu-tiny.json"
 """Written last into a finished build; a folder without it is never treated as complete."""
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 """Bumped whenever the builder writes different weights or configs for the same arguments. A
 complete checkpoint whose marker names another version (or none: version 1) is stale and is
 rebuilt by :func:`ensure_tiny_checkpoint`, so a changed builder never silently reuses old weights.
-2: smooth, latent-following VAE decoder (see ``_init_smooth_decoder``) with one GroupNorm group."""
+2: smooth, latent-following VAE decoder (see ``_init_smooth_decoder``) with one GroupNorm group.
+3: ``processor/`` in the released layout (``preprocessor_config.json``,
+``video_preprocessor_config.json``, ``processor_class`` ``Qwen3VLProcessor``, no remote code);
+every weight file is byte for byte the version-2 one."""
 
 DEFAULT_SEED = 42
 
@@ -200,6 +204,9 @@ _REQUIRED_FILES: tuple[str, ...] = (
     "mllm/model.safetensors",
     "scheduler/scheduler_config.json",
 )
+
+PROCESSOR_CLASS = "Qwen3VLProcessor"
+"""The processor class the released ``processor/`` configs and ``model_index.json`` name."""
 
 
 def ensure_tiny_checkpoint(
@@ -502,7 +509,20 @@ def _write_mllm(folder: Path, *, tokenizer_dir: Path, seed: int) -> None:
 
 
 def _write_processor(folder: Path) -> None:
-    """Fabricate a Qwen3-VL processor: byte-level BPE tokenizer, Pillow image processor, chat template."""
+    """Fabricate a Qwen3-VL processor folder in the layout of the released ``processor/``.
+
+    The files are the ones a stock ``Qwen3VLProcessor`` saved by transformers 4.57 (upstream's
+    pin) has, and the ones its ``from_pretrained`` reads: ``tokenizer.json`` and
+    ``tokenizer_config.json``, ``preprocessor_config.json`` (the image processor),
+    ``video_preprocessor_config.json`` (the video processor; ``AutoVideoProcessor`` raises
+    "Can't load video processor" without it) and ``chat_template.jinja``, each config naming
+    ``processor_class: Qwen3VLProcessor``. There is no ``processor_config.json`` with an
+    ``auto_map`` and no ``.py``: nothing in the folder is remote code.
+
+    Every sub-processor is written by its own stock class. ``Qwen3VLVideoProcessor`` is imported
+    from its module, where it can be built without torchvision (only processing videos needs it);
+    ``transformers.Qwen3VLVideoProcessor`` is a torchvision placeholder.
+    """
     vocab, merges = _train_byte_level_bpe()
     for token in QWEN_SPECIAL_TOKENS:  # after the regular vocabulary, as in Qwen's
         vocab[token] = len(vocab)
@@ -517,20 +537,26 @@ def _write_processor(folder: Path) -> None:
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
     tokenizer.padding_side = "right"
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
-        # Tiny bounds keep images to at most 16 patches (4 image tokens); Qwen3-VL's own mean/std.
-        min_pixels=32 * 32,
-        max_pixels=64 * 64,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
+    # Tiny bounds keep images to at most 16 patches (4 image tokens); Qwen3-VL's own mean/std.
+    vision = {
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, **vision)
+    video_processor = Qwen3VLVideoProcessor(
+        size={"shortest_edge": 32 * 32, "longest_edge": 2 * 64 * 64}, **vision
     )
-    processor = ImageOnlyQwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
-    )
-    processor.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    image_processor.save_pretrained(str(folder))
+    video_processor.save_pretrained(str(folder))
+    for name in ("tokenizer_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+        config = json.loads((folder / name).read_text(encoding="utf-8"))
+        config["processor_class"] = PROCESSOR_CLASS
+        _write_json(folder / name, config)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
 def _train_byte_level_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
