@@ -5,7 +5,12 @@ Layout of ``checkpoints/step_000030/``:
 * ``adapter_model.safetensors`` + ``adapter_config.json``: the LoRA in peft's layout
   (``PeftModel.from_pretrained(model, folder)``; diffusers:
   ``model.load_lora_adapter(folder, weight_name="adapter_model.safetensors", prefix="base_model.model")``).
-* ``ema.safetensors``: the EMA of the LoRA weights (when enabled), same keys.
+* ``pytorch_lora_weights.safetensors``: the same LoRA in diffusers' layout (keys
+  ``transformer.<module path>.lora_A.weight``, what ``save_lora_weights`` writes), for upstream's
+  ``BooguImagePipeline.load_lora_weights(folder, weight_name="pytorch_lora_weights.safetensors")``.
+  Upstream's loader drops the file's metadata and assumes ``lora_alpha == r``, so the peft scale
+  ``alpha / r`` is multiplied into ``lora_B`` here (`diffusers_lora_state`).
+* ``ema.safetensors``: the EMA of the LoRA weights (when enabled), same keys as ``adapter_model``.
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments and hyper-parameters, by parameter name.
 * ``rng.safetensors``: the torch RNG states.
 * ``trainer_state.json``: step, run id, data position, counters.
@@ -105,9 +110,51 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"
+"""The diffusers-layout LoRA file of a checkpoint (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
+DIFFUSERS_PREFIX = "transformer."
+"""What diffusers' ``save_lora_weights`` puts before the transformer's module paths."""
+
+
+def lora_scale(lora_config: Mapping[str, Any]) -> float:
+    """peft's LoRA scale for ``adapter_config.json``: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    if lora_config.get("rank_pattern") or lora_config.get("alpha_pattern"):
+        raise CheckpointError(
+            "per-module LoRA ranks or alphas (rank_pattern, alpha_pattern) are not supported"
+        )
+    # Absent keys take peft's LoraConfig defaults (r=8, lora_alpha=8), as PeftModel.from_pretrained does.
+    r, alpha = lora_config.get("r", 8), lora_config.get("lora_alpha", 8)
+    return alpha / r**0.5 if lora_config.get("use_rslora") else alpha / r
+
+
+def diffusers_lora_state(
+    lora: Mapping[str, torch.Tensor], lora_config: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """File keys -> diffusers' layout (``transformer.`` prefix), the scale folded into ``lora_B``.
+
+    Upstream's ``BooguImageLoraLoaderMixin.lora_state_dict`` discards the safetensors metadata and
+    ``load_lora_into_transformer`` passes no alphas, so diffusers builds its ``LoraConfig`` with
+    ``lora_alpha == r`` (scale 1, ``diffusers.utils.peft_utils.get_peft_kwargs``). With
+    ``lora_B * scale`` the loaded adapter computes ``B A x * scale``, exactly what was trained.
+    """
+    scale = lora_scale(lora_config)
+    out = {}
+    for key, value in lora.items():
+        value = value.detach().to("cpu")
+        if ".lora_B." in key and scale != 1.0:
+            value = (value.float() * scale).to(value.dtype)
+        out[DIFFUSERS_PREFIX + key] = value.contiguous()
+    return out
+
+
 def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> None:
     """Write every file of a checkpoint into ``folder`` (a staging folder), manifest and marker last."""
     save_file(to_peft_keys(contents.lora), folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_file(
+        diffusers_lora_state(contents.lora, contents.lora_config),
+        folder / DIFFUSERS_LORA_NAME,
+        metadata={"format": "pt"},
+    )
     (folder / "adapter_config.json").write_text(json.dumps(contents.lora_config, indent=2, sort_keys=True))
     if contents.ema is not None:
         save_file(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})

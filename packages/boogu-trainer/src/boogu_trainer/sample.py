@@ -1,0 +1,472 @@
+"""``boogu-sample``: generate with a trained checkpoint, and merge its LoRA into a shippable model.
+
+boogu-sample --checkpoint DIR --prompt TEXT --output OUT          the base model + the checkpoint's LoRA
+boogu-sample --checkpoint DIR --prompt TEXT --output OUT --no-lora  the base model alone (same seeds)
+boogu-sample --checkpoint DIR --prompt TEXT --output OUT --ema      the EMA of the LoRA weights
+boogu-sample --checkpoint DIR --merge-to MERGED                     a model folder with the LoRA merged in
+
+Sampling is the evaluation path (`boogu_trainer.evaluation`): deterministic ODE steps
+(``noise_level=0``, no SDE window), text CFG, the run's own config (``config.yaml`` in the
+checkpoint) for the model, size, steps and guidance unless given. Image ``k`` of prompt ``i``
+draws its noise from the stream ``(seed, i)`` (`boogu_adapters.rollout`), so the same prompt and
+seed give the same starting noise with and without ``--no-lora``: before/after is two commands.
+
+``--merge-to`` writes a complete Boogu checkpoint folder: the transformer's weights with
+``W + scale * B @ A`` (computed in float32, stored in the original dtype) in the original shard
+layout, the original ``config.json`` and every other component copied, so ``load_boogu`` and
+upstream's ``BooguImagePipeline.from_pretrained`` load it like the base model.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads OpenMP: spinning idle threads make runs on a busy machine many times slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+PROG = "boogu-sample"
+LoraChoice = Literal["lora", "ema", "none"]
+
+
+class SampleError(RuntimeError):
+    """What the user asked for cannot be done (the message says why and what to pass instead)."""
+
+
+# ---- the checkpoint ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainedLora:
+    """A checkpoint's LoRA (or EMA) tensors and what is needed to apply them."""
+
+    tensors: dict[str, Any]
+    """File keys (``<module path>.lora_A.weight``) -> tensors."""
+    scale: float
+    """peft's ``alpha / r``: the adapter adds ``scale * B @ A``."""
+    source: Path
+    """The safetensors file they came from."""
+
+    @property
+    def modules(self) -> list[str]:
+        """The module paths the LoRA adapts, sorted."""
+        return sorted({key.split(".lora_")[0] for key in self.tensors})
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The intact checkpoint folder ``path`` names: a ``step_XXXXXX`` folder, or a run folder (its
+    newest intact checkpoint). Raises `SampleError` saying what is wrong."""
+    from boogu_trainer.checkpoint import COMPLETE, checkpoint_folders, verify_checkpoint
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise SampleError(f"--checkpoint {folder}: no such folder")
+    if not (folder / COMPLETE).exists() and (folder / "checkpoints").is_dir():
+        found = [f for _, f in checkpoint_folders(folder / "checkpoints") if verify_checkpoint(f) is None]
+        if not found:
+            raise SampleError(f"--checkpoint {folder}: the run folder has no intact checkpoint")
+        folder = found[-1]
+    if not (folder / COMPLETE).exists() or not (folder / "adapter_model.safetensors").exists():
+        raise SampleError(
+            f"--checkpoint {folder} is not a checkpoint folder: a checkpoint is "
+            "runs/<name>/checkpoints/step_XXXXXX/ with adapter_model.safetensors, config.yaml and COMPLETE "
+            "(or pass the run folder runs/<name> for its newest checkpoint)"
+        )
+    problem = verify_checkpoint(folder)
+    if problem is not None:
+        raise SampleError(f"--checkpoint {folder} is not an intact checkpoint: {problem}")
+    return folder
+
+
+def read_lora(folder: Path, which: Literal["lora", "ema"] = "lora") -> TrainedLora:
+    """The checkpoint's LoRA (``adapter_model.safetensors``) or its EMA (``ema.safetensors``)."""
+    from safetensors.torch import load_file
+
+    from boogu_adapters.lora import from_peft_keys
+    from boogu_trainer.checkpoint import lora_scale
+
+    name = "adapter_model.safetensors" if which == "lora" else "ema.safetensors"
+    if not (folder / name).is_file():
+        raise SampleError(f"--ema: {folder} has no {name} (the run was trained with ema.enabled=false)")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    try:
+        tensors = from_peft_keys(load_file(folder / name))
+    except ValueError as error:
+        raise SampleError(f"{folder / name}: {error}") from None
+    return TrainedLora(tensors=tensors, scale=lora_scale(config), source=folder / name)
+
+
+def run_config(folder: Path, device: str | None = None):
+    """The run's resolved config from the checkpoint's ``config.yaml`` (``model.device`` overridable)."""
+    from boogu_trainer.config import ConfigError, load_config
+
+    try:
+        return load_config(folder / "config.yaml", [f"model.device={device}"] if device else [])
+    except ConfigError as error:
+        raise SampleError(f"{folder / 'config.yaml'}: {error}") from None
+
+
+def model_path(config) -> Path:
+    """The base model folder the run trained on (the tiny checkpoint when ``model.path`` is empty)."""
+    if config.model.path:
+        return Path(config.model.path).expanduser()
+    from boogu_adapters.tiny import ensure_tiny_checkpoint
+
+    return Path(ensure_tiny_checkpoint(Path(config.model.tiny_path).expanduser()))
+
+
+# ---- applying the LoRA ---------------------------------------------------------------------------
+def check_lora_matches(lora: TrainedLora, shapes: Mapping[str, Sequence[int]]) -> None:
+    """Refuse a LoRA whose modules are not linear weights of this model, or whose shapes differ.
+
+    ``shapes`` maps the model's weight names (``<module path>.weight``) to their shapes.
+    """
+    absent = [m for m in lora.modules if f"{m}.weight" not in shapes]
+    if absent:
+        raise SampleError(
+            f"the LoRA in {lora.source} does not match the model: {len(absent)} of its {len(lora.modules)} "
+            f"modules are not in it: {_names(absent)}"
+        )
+    wrong = []
+    for m in lora.modules:
+        out_features, in_features = shapes[f"{m}.weight"][:2]
+        a, b = lora.tensors.get(f"{m}.lora_A.weight"), lora.tensors.get(f"{m}.lora_B.weight")
+        if a is None or b is None or a.shape[1] != in_features or b.shape[0] != out_features:
+            wrong.append(m)
+    if wrong:
+        raise SampleError(
+            f"the LoRA in {lora.source} does not match the model: {len(wrong)} modules have other shapes "
+            f"(or lack lora_A/lora_B): {_names(wrong)}"
+        )
+
+
+def attach_lora(transformer, lora: TrainedLora) -> None:
+    """Inject the LoRA into ``transformer`` in place and load its tensors; every module must attach."""
+    from boogu_adapters.lora import add_lora, is_lora_param, load_lora_state_dict, lora_file_keys
+
+    check_lora_matches(lora, {n: tuple(p.shape) for n, p in transformer.named_parameters()})
+    rank = next(iter(lora.tensors.values())).shape[0] if lora.tensors else 0
+    # alpha = scale * r reproduces the trained scale; targets are the exact module paths.
+    add_lora(transformer, rank=rank, alpha=lora.scale * rank, target_modules=lora.modules, seed=0)
+    attached = sorted({k.split(".lora_")[0] for k in lora_file_keys(transformer)})
+    missing = sorted(set(lora.modules) - set(attached))
+    if missing or len(attached) != len(lora.modules):
+        raise SampleError(
+            f"the LoRA in {lora.source} attaches to {len(attached)} of its {len(lora.modules)} modules; "
+            f"not attached: {_names(missing or sorted(set(attached) - set(lora.modules)))}"
+        )
+    # float32 adapters on any base dtype, as the trainer keeps them (Trainer._prepare_transformer).
+    for name, param in transformer.named_parameters():
+        param.requires_grad_(False)
+        if is_lora_param(name):
+            param.data = param.data.float()
+    load_lora_state_dict(transformer, {k: v.float() for k, v in lora.tensors.items()})
+    transformer.eval()
+
+
+def _names(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SampleSpec:
+    prompts: list[str]
+    reference: bytes | None = None
+    num_images: int = 1
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int | None = None
+    height: int | None = None
+    width: int | None = None
+
+
+def sample(
+    folder: Path, spec: SampleSpec, *, lora: LoraChoice = "lora", device: str | None = None, parts=None
+):
+    """Images ``(len(prompts) * num_images, 3, H, W)`` uint8 and their captions.
+
+    ``parts`` (a fresh `load_boogu` result, modified in place) skips loading the base model.
+    """
+    import torch
+
+    from boogu_adapters.components import build_local_engine
+    from boogu_adapters.loading import load_boogu
+    from boogu_adapters.types import RolloutRequest
+    from boogu_data import PromptRecord
+    from boogu_schedule import WindowPlan
+    from boogu_trainer.loop import DTYPES, resolve_device
+
+    config = run_config(folder, device)
+    trained = None if lora == "none" else read_lora(folder, lora)
+    dev = resolve_device(config.model.device)
+    if parts is None:
+        parts = load_boogu(
+            model_path(config),
+            transformer=config.model.transformer,
+            trust_remote_code=config.model.trust_remote_code,
+            dtype=DTYPES[config.model.dtype],
+            device=dev,
+        )
+    if trained is not None:
+        attach_lora(parts.transformer, trained)
+    engine = build_local_engine(
+        parts,
+        max_sequence_length=config.model.max_sequence_length,
+        cfg_mode=config.rollout.cfg_mode,
+        device=dev,
+    )
+    images, captions = [], []
+    what = {"lora": f"LoRA step {_step(folder)}", "ema": f"EMA step {_step(folder)}", "none": "base model"}
+    seed = config.seed if spec.seed is None else spec.seed
+    for i, prompt in enumerate(spec.prompts):
+        # One request per prompt; group_offset=i gives prompt i the noise stream it has in one batch.
+        request = RolloutRequest(
+            records=[PromptRecord(instruction=prompt, ref_image=spec.reference)],
+            group_size=spec.num_images,
+            num_steps=spec.steps or config.eval.num_steps,
+            guidance_scale=config.sampler.guidance_scale if spec.guidance is None else spec.guidance,
+            noise_level=0.0,
+            window=WindowPlan(kind="fixed", size=0, start=0),
+            height=spec.height or config.sampler.height,
+            width=spec.width or config.sampler.width,
+            seed=seed,
+            group_offset=i,
+        )
+        with torch.no_grad():
+            traj = engine.generate(request)
+        images.append(traj.images.cpu())
+        captions += [f"{prompt[:60]} | seed {seed} #{k} | {what[lora]}" for k in range(spec.num_images)]
+    return torch.cat(images), captions
+
+
+def _step(folder: Path) -> int:
+    m = re.search(r"step_(\d+)$", folder.name)
+    return int(m.group(1)) if m else -1
+
+
+def write_samples(images, captions: Sequence[str], prompts: Sequence[str], num_images: int, output: Path):
+    """``OUT/<prompt>_<k>.png`` per image, ``OUT/grid.png`` with captions, ``OUT/samples.json``; the
+    folder is built aside and committed with one rename (an existing OUT is replaced whole)."""
+    from PIL import Image
+
+    from boogu_data.atomic import commit_folder, stage_folder
+    from boogu_trainer.metrics import sample_grid
+
+    output = Path(output).expanduser()
+    if output.exists() and not output.is_dir():
+        raise SampleError(f"--output {output} exists and is not a folder")
+    staging = stage_folder(output)
+    try:
+        files = []
+        for j, image in enumerate(images):
+            name = f"{j // num_images:03d}_{_slug(prompts[j // num_images])}_{j % num_images}.png"
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(staging / name)
+            files.append({"file": name, "caption": captions[j]})
+        sample_grid(images, list(captions), staging / "grid.png")
+        (staging / "samples.json").write_text(json.dumps(files, indent=2))
+        commit_folder(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [output / f["file"] for f in files]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "prompt"
+
+
+# ---- reference images ----------------------------------------------------------------------------
+def read_reference(path: str | os.PathLike[str]) -> bytes:
+    """The reference image's bytes, refused unless it meets the Edit rules the datasets follow
+    (`boogu_data.images.check_image`: sides multiples of 16, at most 2048² pixels)."""
+    from boogu_data.images import check_image
+
+    path = Path(path).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SampleError(f"--image {path}: cannot be read ({error.strerror})") from None
+    try:
+        check_image(data)
+    except ValueError as error:
+        raise SampleError(
+            f"--image {path}: {error} (resize or pad it first, e.g. the edit converter's letterbox)"
+        ) from None
+    return data
+
+
+# ---- merging -------------------------------------------------------------------------------------
+def merge_to(folder: Path, output: Path, *, lora: Literal["lora", "ema"] = "lora") -> Path:
+    """Write ``output``: the run's base model with the LoRA merged into its transformer weights.
+
+    Works shard by shard on the CPU (one shard in memory at a time); the shard names, the index,
+    ``config.json`` and every other file are the base model's, so the result loads like it.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from boogu_data.atomic import commit_folder, stage_folder
+
+    config = run_config(folder, "cpu")
+    trained = read_lora(folder, lora)
+    base = model_path(config)
+    transformer = base / "transformer"
+    shards = sorted(transformer.glob("*.safetensors"))
+    if not shards:
+        raise SampleError(f"{transformer}: no safetensors weights to merge into")
+    shapes = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})  # noqa: SIM118
+    check_lora_matches(trained, shapes)
+    output = Path(output).expanduser().resolve()
+    if output == base.resolve():
+        raise SampleError(f"--merge-to {output} is the base model itself; choose another folder")
+    staging = stage_folder(output)
+    try:
+        shutil.copytree(base, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
+        for other in base.rglob("*.safetensors"):
+            if other.parent != transformer:
+                shutil.copy2(other, staging / other.relative_to(base))
+        for shard in shards:
+            tensors = load_file(shard)
+            for m in trained.modules:
+                key = f"{m}.weight"
+                if key in tensors:
+                    w = tensors[key]
+                    a = trained.tensors[f"{m}.lora_A.weight"].float()
+                    b = trained.tensors[f"{m}.lora_B.weight"].float()
+                    # (out, in) float32: peft's merge, W + scale * B @ A, then the stored dtype.
+                    tensors[key] = (w.float() + trained.scale * (b @ a)).to(w.dtype).contiguous()
+            save_file(tensors, staging / "transformer" / shard.name, metadata={"format": "pt"})
+        (staging / "merged_lora.json").write_text(
+            json.dumps(
+                {
+                    "checkpoint": str(folder),
+                    "weights": trained.source.name,
+                    "scale": trained.scale,
+                    "modules": len(trained.modules),
+                    "base_model": str(base),
+                },
+                indent=2,
+            )
+        )
+        commit_folder(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Sample a trained checkpoint deterministically (the evaluation path), with or "
+        "without its LoRA, or merge the LoRA into a complete model folder.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="runs/<name>/checkpoints/step_XXXXXX (or runs/<name>: its newest)",
+    )
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    parser.add_argument("--prompts", metavar="FILE", help="a text file, one prompt per line")
+    parser.add_argument("--image", metavar="REF", help="a reference image: every prompt is an edit of it")
+    parser.add_argument("--output", metavar="OUT", help="folder for the PNGs, grid.png and samples.json")
+    parser.add_argument(
+        "--num-images", type=int, default=1, metavar="N", help="images per prompt (default 1)"
+    )
+    parser.add_argument(
+        "--steps", type=int, metavar="N", help="denoising steps (default: the run's eval.num_steps)"
+    )
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        metavar="G",
+        help="text CFG scale (default: the run's sampler.guidance_scale)",
+    )
+    parser.add_argument("--seed", type=int, metavar="S", help="seed (default: the run's seed)")
+    parser.add_argument("--height", type=int, help="output height (default: the run's sampler.height)")
+    parser.add_argument("--width", type=int, help="output width (default: the run's sampler.width)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--no-lora", action="store_true", help="the base model alone")
+    which.add_argument("--ema", action="store_true", help="the EMA of the LoRA weights instead of the LoRA")
+    parser.add_argument(
+        "--merge-to", metavar="DIR", help="write a model folder with the LoRA (or --ema) merged in"
+    )
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: the run's model.device)")
+    return parser
+
+
+def _prompts(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
+    prompts = list(ns.prompt)
+    if ns.prompts:
+        try:
+            lines = Path(ns.prompts).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"--prompts {ns.prompts}: cannot be read ({error})")
+        prompts += [line.strip() for line in lines if line.strip()]
+        if not any(line.strip() for line in lines):
+            parser.error(f"--prompts {ns.prompts} holds no prompt")
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    prompts = _prompts(parser, ns)
+    if ns.no_lora and ns.merge_to:
+        parser.error("--merge-to merges the LoRA; it cannot be combined with --no-lora")
+    if not prompts and not ns.merge_to:
+        parser.error("give --prompt TEXT or --prompts FILE (or --merge-to DIR)")
+    if prompts and not ns.output:
+        parser.error("--output OUT is required to write the images")
+    if ns.num_images < 1 or (ns.steps is not None and ns.steps < 1):
+        parser.error("--num-images and --steps must be at least 1")
+    lora: LoraChoice = "none" if ns.no_lora else "ema" if ns.ema else "lora"
+    try:
+        folder = resolve_checkpoint(ns.checkpoint)
+        reference = read_reference(ns.image) if ns.image else None
+        if ns.merge_to:
+            merged = merge_to(folder, Path(ns.merge_to), lora="ema" if ns.ema else "lora")
+            print(f"merged {folder} into {merged}")
+        if prompts:
+            _quiet_libraries()
+            spec = SampleSpec(
+                prompts, reference, ns.num_images, ns.steps, ns.guidance, ns.seed, ns.height, ns.width
+            )
+            images, captions = sample(folder, spec, lora=lora, device=ns.device)
+            files = write_samples(images, captions, prompts, ns.num_images, Path(ns.output))
+            print(
+                f"wrote {len(files)} images and {Path(ns.output) / 'grid.png'} ({captions[0].split(' | ')[-1]})"
+            )
+    except SampleError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # a size or request the model cannot produce
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _quiet_libraries() -> None:
+    from boogu_trainer.cli import _quiet_libraries as quiet
+
+    quiet()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
