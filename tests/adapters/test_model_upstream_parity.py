@@ -17,9 +17,6 @@ upstream's zero-initialised head would make both outputs exactly 0).
 from __future__ import annotations
 
 import json
-import os
-import sys
-import warnings
 
 import pytest
 import torch
@@ -32,22 +29,13 @@ from boogu_adapters.model import (
     get_freqs_cis,
     randomize_parameters,
 )
+from tests.upstream import import_upstream
 
-UPSTREAM_SRC = os.environ.get("BOOGU_UPSTREAM_SRC")
-if not UPSTREAM_SRC:
-    pytest.skip(
-        "set BOOGU_UPSTREAM_SRC to upstream's source to run the parity tests", allow_module_level=True
-    )
-if "cuda" in os.environ.get("device", "cpu"):  # noqa: SIM112 - upstream's lower-case name
-    pytest.skip(
-        "upstream reads env 'device'; its CUDA kernels round differently (docs/upstream-model.md §3.6)",
-        allow_module_level=True,
-    )
-sys.path[:0] = [p for p in UPSTREAM_SRC.split(os.pathsep) if p]
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # upstream warns about missing triton / flash-attn
-    upstream_transformer = pytest.importorskip("boogu.models.transformers.transformer_boogu")
-    upstream_rope = pytest.importorskip("boogu.models.transformers.rope")
+upstream_transformer, upstream_rope = import_upstream(
+    "boogu.models.transformers.transformer_boogu",
+    "boogu.models.transformers.rope",
+    cpu_only="its CUDA kernels round differently (docs/upstream-model.md §3.6)",
+)
 
 UpstreamModel = upstream_transformer.BooguImageTransformer2DModel
 PARITY_RTOL = 1e-5  # the acceptance bar: max |ours - upstream| / max |upstream| in float32

@@ -14,9 +14,6 @@ latents (it always decodes), so its VAE's input is recorded and compared with ou
 from __future__ import annotations
 
 import io
-import os
-import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,16 +28,11 @@ from boogu_adapters.tiny import ensure_tiny_checkpoint
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_schedule import WindowPlan, derive_seed
+from tests.upstream import import_upstream
 
-UPSTREAM_SRC = os.environ.get("BOOGU_UPSTREAM_SRC")
-if not UPSTREAM_SRC:
-    pytest.skip("set BOOGU_UPSTREAM_SRC to upstream's source to run these tests", allow_module_level=True)
-if "cuda" in os.environ.get("device", "cpu"):  # noqa: SIM112 - upstream's lower-case name
-    pytest.skip("upstream reads env 'device'; these tests pin its CPU path", allow_module_level=True)
-sys.path[:0] = [p for p in UPSTREAM_SRC.split(os.pathsep) if p]
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # upstream warns about missing triton / flash-attn
-    upstream_pipeline = pytest.importorskip("boogu.pipelines.boogu.pipeline_boogu")
+(upstream_pipeline,) = import_upstream(
+    "boogu.pipelines.boogu.pipeline_boogu", cpu_only="these tests pin its CPU path"
+)
 
 
 @pytest.fixture(scope="module")

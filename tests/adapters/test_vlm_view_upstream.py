@@ -10,8 +10,6 @@ model as ``mllm``, and the system prompts. The prompt features come from upstrea
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -27,17 +25,11 @@ from boogu_adapters.encoding import (
     preprocess_vlm_images,
 )
 from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
+from tests.upstream import import_upstream
 
-UPSTREAM_SRC = os.environ.get("BOOGU_UPSTREAM_SRC")
-if not UPSTREAM_SRC:
-    pytest.skip(
-        "set BOOGU_UPSTREAM_SRC to upstream's source to run the parity tests", allow_module_level=True
-    )
-sys.path[:0] = [p for p in UPSTREAM_SRC.split(os.pathsep) if p]
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # upstream warns about missing triton / flash-attn
-    upstream_pipeline = pytest.importorskip("boogu.pipelines.boogu.pipeline_boogu")
-    upstream_image_processor = pytest.importorskip("boogu.pipelines.image_processor")
+upstream_pipeline, upstream_image_processor = import_upstream(
+    "boogu.pipelines.boogu.pipeline_boogu", "boogu.pipelines.image_processor"
+)
 
 Pipeline = upstream_pipeline.BooguImagePipeline
 # (height, width): a side not a multiple of 16, above 384², above 1152².

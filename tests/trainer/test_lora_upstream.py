@@ -14,21 +14,14 @@ upstream's LoRA-loaded transformer, through the evaluation path and through upst
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
-
-import pytest
 import torch
 
-UPSTREAM_SRC = os.environ.get("BOOGU_UPSTREAM_SRC")
-if not UPSTREAM_SRC:
-    pytest.skip("set BOOGU_UPSTREAM_SRC to upstream's source to run this test", allow_module_level=True)
-sys.path[:0] = [p for p in UPSTREAM_SRC.split(os.pathsep) if p]
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # upstream warns about missing triton / flash-attn
-    pipeline_boogu = pytest.importorskip("boogu.pipelines.boogu.pipeline_boogu")
-    scheduling = pytest.importorskip("boogu.schedulers.scheduling_flow_match_euler_discrete_time_shifting")
+from tests.upstream import import_upstream
+
+pipeline_boogu, scheduling = import_upstream(
+    "boogu.pipelines.boogu.pipeline_boogu",
+    "boogu.schedulers.scheduling_flow_match_euler_discrete_time_shifting",
+)
 
 from boogu_adapters.loading import load_boogu  # noqa: E402
 from boogu_schedule import derive_seed  # noqa: E402
