@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,8 +18,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# Remote-code copies (diffusers/transformers dynamic modules) go to a per-session temp folder, not $HOME.
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="boogu-hf-modules-"))
+# Remote-code copies (diffusers/transformers dynamic modules) go to a per-session temp folder, not
+# $HOME, removed when the session ends (subprocesses inherit the variable and share the folder).
+if "HF_MODULES_CACHE" not in os.environ:
+    _modules_cache = tempfile.mkdtemp(prefix="boogu-hf-modules-")
+    os.environ["HF_MODULES_CACHE"] = _modules_cache
+    atexit.register(shutil.rmtree, _modules_cache, ignore_errors=True)
 
 # Tensor code has no meaningful per-example deadline on a shared 2-core machine.
 settings.register_profile("dev", max_examples=25, deadline=None)
