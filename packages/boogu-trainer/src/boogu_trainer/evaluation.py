@@ -22,6 +22,36 @@ from boogu_trainer.distributed import DistEnv
 from boogu_trainer.rewards import WeightedRewards
 
 
+def deterministic_request(
+    records: list[PromptRecord],
+    *,
+    num_steps: int,
+    guidance_scale: float,
+    height: int,
+    width: int,
+    seed: int,
+    group_size: int = 1,
+    group_offset: int = 0,
+) -> RolloutRequest:
+    """The evaluation path: ODE steps only (an empty SDE window, noise level 0), decoded images.
+
+    Group ``g`` of the request draws its initial noise from stream ``(seed, group_offset + g)``, so
+    ``boogu-sample`` and evaluation give the same image for the same prompt, seed and position.
+    """
+    return RolloutRequest(
+        records=records,
+        group_size=group_size,
+        num_steps=num_steps,
+        guidance_scale=guidance_scale,
+        noise_level=0.0,
+        window=WindowPlan(kind="fixed", size=0, start=0),
+        height=height,
+        width=width,
+        seed=seed,
+        group_offset=group_offset,
+    )
+
+
 class Evaluator:
     def __init__(
         self,
@@ -46,13 +76,10 @@ class Evaluator:
         slots = self.dist.padded_share(len(self.records))
         records = [self.records[0 if i is None else i] for i in slots]
         s = self.config.sampler
-        request = RolloutRequest(
-            records=records,
-            group_size=1,
+        request = deterministic_request(
+            records,
             num_steps=self.config.eval.num_steps,
             guidance_scale=s.guidance_scale,
-            noise_level=0.0,
-            window=WindowPlan(kind="fixed", size=0, start=0),
             height=s.height,
             width=s.width,
             seed=self.config.seed,

@@ -70,6 +70,27 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def base_model_path(config: TrainerConfig) -> Path:
+    """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
+    if config.model.path:
+        return Path(config.model.path).expanduser()
+    from boogu_adapters.tiny import ensure_tiny_checkpoint
+
+    return Path(ensure_tiny_checkpoint(Path(config.model.tiny_path).expanduser()))
+
+
+def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
+    """The run's base model (no LoRA), in ``model.dtype`` on ``device``."""
+    m = config.model
+    return load_boogu(
+        base_model_path(config),
+        transformer=m.transformer,
+        trust_remote_code=m.trust_remote_code,
+        dtype=DTYPES[m.dtype],
+        device=device,
+    )
+
+
 class Trainer:
     """One FlowGRPO run. ``train()`` runs to ``total_steps``; ``state_dict()`` is everything a resume needs.
 
@@ -120,19 +141,7 @@ class Trainer:
 
     # ---- construction --------------------------------------------------------------------------
     def _load_parts(self) -> BooguParts:
-        cfg = self.config.model
-        path = cfg.path
-        if not path:
-            from boogu_adapters.tiny import ensure_tiny_checkpoint
-
-            path = str(ensure_tiny_checkpoint(Path(cfg.tiny_path).expanduser()))
-        return load_boogu(
-            path,
-            transformer=cfg.transformer,
-            trust_remote_code=cfg.trust_remote_code,
-            dtype=DTYPES[cfg.dtype],
-            device=self.device,
-        )
+        return load_base_parts(self.config, self.device)
 
     def _prepare_transformer(self, transformer: torch.nn.Module) -> torch.nn.Module:
         cfg = self.config

@@ -113,15 +113,6 @@ def run_config(folder: Path, device: str | None = None):
         raise SampleError(f"{folder / 'config.yaml'}: {error}") from None
 
 
-def model_path(config) -> Path:
-    """The base model folder the run trained on (the tiny checkpoint when ``model.path`` is empty)."""
-    if config.model.path:
-        return Path(config.model.path).expanduser()
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
-
-    return Path(ensure_tiny_checkpoint(Path(config.model.tiny_path).expanduser()))
-
-
 # ---- applying the LoRA ---------------------------------------------------------------------------
 def check_lora_matches(lora: TrainedLora, shapes: Mapping[str, Sequence[int]]) -> None:
     """Refuse a LoRA whose modules are not linear weights of this model, or whose shapes differ.
@@ -199,23 +190,15 @@ def sample(
     import torch
 
     from boogu_adapters.components import build_local_engine
-    from boogu_adapters.loading import load_boogu
-    from boogu_adapters.types import RolloutRequest
     from boogu_data import PromptRecord
-    from boogu_schedule import WindowPlan
-    from boogu_trainer.loop import DTYPES, resolve_device
+    from boogu_trainer.evaluation import deterministic_request
+    from boogu_trainer.loop import load_base_parts, resolve_device
 
     config = run_config(folder, device)
     trained = None if lora == "none" else read_lora(folder, lora)
     dev = resolve_device(config.model.device)
     if parts is None:
-        parts = load_boogu(
-            model_path(config),
-            transformer=config.model.transformer,
-            trust_remote_code=config.model.trust_remote_code,
-            dtype=DTYPES[config.model.dtype],
-            device=dev,
-        )
+        parts = load_base_parts(config, dev)
     if trained is not None:
         attach_lora(parts.transformer, trained)
     engine = build_local_engine(
@@ -229,13 +212,11 @@ def sample(
     seed = config.seed if spec.seed is None else spec.seed
     for i, prompt in enumerate(spec.prompts):
         # One request per prompt; group_offset=i gives prompt i the noise stream it has in one batch.
-        request = RolloutRequest(
-            records=[PromptRecord(instruction=prompt, ref_image=spec.reference)],
+        request = deterministic_request(
+            [PromptRecord(instruction=prompt, ref_image=spec.reference)],
             group_size=spec.num_images,
             num_steps=spec.steps or config.eval.num_steps,
             guidance_scale=config.sampler.guidance_scale if spec.guidance is None else spec.guidance,
-            noise_level=0.0,
-            window=WindowPlan(kind="fixed", size=0, start=0),
             height=spec.height or config.sampler.height,
             width=spec.width or config.sampler.width,
             seed=seed,
@@ -315,10 +296,11 @@ def merge_to(folder: Path, output: Path, *, lora: Literal["lora", "ema"] = "lora
     from safetensors.torch import load_file, save_file
 
     from boogu_data.atomic import commit_folder, stage_folder
+    from boogu_trainer.loop import base_model_path
 
     config = run_config(folder, "cpu")
     trained = read_lora(folder, lora)
-    base = model_path(config)
+    base = base_model_path(config)
     transformer = base / "transformer"
     shards = sorted(transformer.glob("*.safetensors"))
     if not shards:
@@ -444,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             merged = merge_to(folder, Path(ns.merge_to), lora="ema" if ns.ema else "lora")
             print(f"merged {folder} into {merged}")
         if prompts:
+            from boogu_trainer.cli import _quiet_libraries
+
             _quiet_libraries()
             spec = SampleSpec(
                 prompts, reference, ns.num_images, ns.steps, ns.guidance, ns.seed, ns.height, ns.width
@@ -460,12 +444,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-def _quiet_libraries() -> None:
-    from boogu_trainer.cli import _quiet_libraries as quiet
-
-    quiet()
 
 
 if __name__ == "__main__":
