@@ -89,8 +89,14 @@ class ModelConfig:
     """Our port (native), the checkpoint's own class (canonical, needs trust_remote_code), or auto."""
     trust_remote_code: bool = False
     """Allow executing code shipped in the checkpoint folder (canonical transformer only)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the frozen base model (LoRA weights and optimizer state stay float32)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype of the frozen base model and the LoRA forwards; 'auto' is bfloat16 on CUDA and float32 on CPU (LoRA master weights, optimizer state, latents, CFG and log-probs stay float32)."""
+    tf32: bool = True
+    """On CUDA, let float32 matmuls and convolutions use TF32 tensor cores (the work left in float32 after model.dtype)."""
+    compile: bool = False
+    """Regional torch.compile of the repeated transformer blocks (each block class compiles once)."""
+    compile_bucket: int = 64
+    """With compile: pad instruction and joint sequences to multiples of this many tokens, so new prompt lengths reuse compiled graphs."""
     device: str = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda[:i]'."""
     gradient_checkpointing: bool | None = None
@@ -108,6 +114,7 @@ class ModelConfig:
             self.device,
             "'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
+        _check(self.compile_bucket >= 1, "model.compile_bucket", self.compile_bucket, ">= 1")
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,16 @@ class RolloutConfig:
     engine needs its own environment and an SDE/log-prob path that vllm-omni 0.30 lacks for Boogu)."""
     cfg_mode: Literal["batched", "sequential"] = "batched"
     """Run positive and negative prompts in one forward (batched) or two."""
+    micro_batch_size: int = 0
+    """Latents per transformer call, VAE decode and reward call (0: the whole batch); with batched CFG a call runs twice as many sample-forwards."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.micro_batch_size >= 0,
+            "rollout.micro_batch_size",
+            self.micro_batch_size,
+            ">= 0 (0 = no split)",
+        )
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,8 @@ class AlgorithmConfig:
     """Passes over each rollout batch."""
     mini_batches: int = 1
     """Optimizer steps per pass (the batch is split by groups)."""
+    train_micro_batch_size: int = 0
+    """Samples per forward/backward in the update (0: the whole mini-batch); gradients accumulate over the micro-batches of a mini-batch."""
     advantage_sign: float = 1.0
     """+1 for training; -1 flips the objective (a diagnostic: the reward must then go down)."""
 
@@ -258,6 +277,12 @@ class AlgorithmConfig:
         _check(self.adv_eps >= 0, "algorithm.adv_eps", self.adv_eps, ">= 0")
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, ">= 0")
         _check(self.inner_epochs >= 1, "algorithm.inner_epochs", self.inner_epochs, ">= 1")
+        _check(
+            self.train_micro_batch_size >= 0,
+            "algorithm.train_micro_batch_size",
+            self.train_micro_batch_size,
+            ">= 0 (0 = no split)",
+        )
         _check(self.mini_batches >= 1, "algorithm.mini_batches", self.mini_batches, ">= 1")
         _check(self.advantage_sign in (1.0, -1.0), "algorithm.advantage_sign", self.advantage_sign, "1 or -1")
 
@@ -404,6 +429,21 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class PerfConfig:
+    peak_tflops: float | None = None
+    """Peak dense TFLOPs of one device for perf/mfu; null: looked up from the GPU's name (bf16 dense), measured once on CPU."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "perf.")
+        _check(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            "perf.peak_tflops",
+            self.peak_tflops,
+            "> 0 or null",
+        )
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets and batching."""
@@ -431,6 +471,8 @@ class TrainerConfig:
     """Outputs and progress."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation."""
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    """FLOP and MFU accounting."""
     total_steps: int = 300
     """Training steps (one rollout batch each)."""
     seed: int = 42
@@ -466,6 +508,11 @@ RESUME_FREE_KEYS: tuple[str, ...] = (
     "checkpoint",
     "eval",
     "distributed.timeout_s",
+    "perf",
+    "model.compile",
+    "model.compile_bucket",
+    "rollout.micro_batch_size",
+    "algorithm.train_micro_batch_size",
 )
 """Keys (and sections) that may differ from a checkpoint's config on resume: they do not change the past."""
 
@@ -708,8 +755,26 @@ def config_changes(
     return [
         (key, before.get(key), value)
         for key, value in after.items()
-        if not any(key == p or key.startswith(f"{p}.") for p in skip) and before.get(key) != value
+        if not any(key == p or key.startswith(f"{p}.") for p in skip)
+        and _resolved(key, before.get(key)) != _resolved(key, value)
     ]
+
+
+def resolved_model_dtype(spec: str, device_type: str) -> str:
+    """``model.dtype`` as run on a device of this type: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
+    if spec != "auto":
+        return spec
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def _resolved(key: str, value: Any) -> Any:
+    # 'auto' and the dtype it stands for on this machine are the same run (a v0.2 checkpoint says
+    # float32 where this version's default says auto).
+    if key == "model.dtype" and isinstance(value, str):
+        import torch
+
+        return resolved_model_dtype(value, "cuda" if torch.cuda.is_available() else "cpu")
+    return value
 
 
 def _with_defaults(data: Mapping[str, Any], cls: type) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from boogu_adapters.training import TrainingAdapter
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
-from boogu_trainer.config import TrainerConfig, config_to_dict
+from boogu_trainer.config import TrainerConfig, config_to_dict, resolved_model_dtype
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
 from boogu_trainer.distributed import DistEnv, shard_transformer
 from boogu_trainer.evaluation import Evaluator
@@ -70,6 +70,18 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """``model.dtype`` on ``device``: 'auto' is bfloat16 on CUDA and float32 elsewhere."""
+    return DTYPES[resolved_model_dtype(spec, device.type)]
+
+
+def enable_tf32(config: TrainerConfig, device: torch.device) -> None:
+    """TF32 for the float32 matmuls and convolutions left on CUDA (``model.tf32``)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = config.model.tf32
+        torch.backends.cudnn.allow_tf32 = config.model.tf32
+
+
 def base_model_path(config: TrainerConfig) -> Path:
     """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
     if config.model.path:
@@ -86,7 +98,7 @@ def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
         base_model_path(config),
         transformer=m.transformer,
         trust_remote_code=m.trust_remote_code,
-        dtype=DTYPES[m.dtype],
+        dtype=resolve_dtype(m.dtype, device),
         device=device,
     )
 
@@ -102,6 +114,7 @@ class Trainer:
         self, config: TrainerConfig, *, dist: DistEnv | None = None, parts: BooguParts | None = None
     ):
         self.device = resolve_device(config.model.device)
+        enable_tf32(config, self.device)
         self.dist = dist or DistEnv(timeout_s=config.distributed.timeout_s)
         self.config, self.run_note = ckpt.resolve_run_folder(config, self.dist)
         config = self.config
