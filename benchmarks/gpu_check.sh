@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent GPU machine with no network (see the device tool's README):
-#   1. the end-to-end test on the GPU (T2I and edit, bf16, 1 GPU);
-#   2. a few FlowGRPO steps of a random-weight transformer at the released size (or the largest
-#      that fits), printing images/s, the step-time split and peak memory.
+# One-shot GPU check for a lent GPU machine with no network (see the device tool's README); it fits
+# in 10 minutes of device time (each part has its own timeout):
+#   1. the transformer's GPU path at the released size and 1024x1024 (benchmarks/gpu_path.py):
+#      sample-forwards/s, MFU, peak memory, the SDPA backend of every attention call, bf16 vs fp32
+#      LoRA products in a training step, eager vs regional compile;
+#   2. the end-to-end test on the GPU (T2I and edit, bf16, 1 GPU);
+#   3. a few FlowGRPO steps of a random-weight transformer at the released size (or the largest
+#      that fits), printing images/s, MFU, the step-time split and peak memory.
 #
 # That machine has its own python3 with torch, transformers, peft, safetensors, pyarrow... but no
 # diffusers or rapidocr. Before the run, on this machine, from the repo root:
@@ -31,11 +35,14 @@ print("diffusers", diffusers.__version__, "transformers", transformers.__version
 assert torch.cuda.is_available(), "no CUDA device"
 PY
 
+echo "== transformer GPU path: released size, 1024x1024"
+timeout 300 python3 benchmarks/gpu_path.py --json "$OUT/gpu_path.json" 2>&1 | tee "$OUT/gpu_path.log" | grep -v "^[ {}\"]" || true
+
 echo "== e2e on the GPU (T2I, then edit)"
 for mode in t2i edit; do
     CUDA_VISIBLE_DEVICES=0 NUM_GPUS=1 MODE=$mode PYTHON=python3 WORK_DIR="$(mktemp -d)" \
-        bash tests/special_e2e/run_flowgrpo_boogu_image.sh 2>&1 | tee "$OUT/e2e_$mode.log" | tail -3
+        timeout 90 bash tests/special_e2e/run_flowgrpo_boogu_image.sh 2>&1 | tee "$OUT/e2e_$mode.log" | tail -3
 done
 
 echo "== released-size random transformer: a few FlowGRPO steps"
-python3 benchmarks/gpu_scale.py --json "$OUT/gpu_scale.json" 2>&1 | tee "$OUT/gpu_scale.log"
+timeout 200 python3 benchmarks/gpu_scale.py --json "$OUT/gpu_scale.json" 2>&1 | tee "$OUT/gpu_scale.log"

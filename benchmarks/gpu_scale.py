@@ -3,9 +3,10 @@
 The text encoder, VAE and processor come from the tiny checkpoint (built here); the transformer
 is ``RELEASED_CONFIG`` (10.3B parameters in bf16) with its instruction projection sized to the
 tiny encoder, randomised. If it does not fit, the number of single-stream layers is halved until
-it does. Prints images/s, the step-time split, transformer forwards per image and peak memory.
+it does. Prints images/s, MFU, the step-time split, transformer forwards per image and peak memory.
 
-    python3 benchmarks/gpu_scale.py [--size 1024] [--prompts 2] [--group 4] [--steps 3] [--json out.json]
+    python3 benchmarks/gpu_scale.py [--size 1024] [--prompts 2] [--group 4] [--steps 3]
+        [--micro-batch 8] [--train-micro-batch 4] [--compile] [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=8, help="rollout.micro_batch_size")
+    p.add_argument("--train-micro-batch", type=int, default=4, help="algorithm.train_micro_batch_size")
+    p.add_argument("--compile", action="store_true", help="model.compile=true")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -73,7 +77,9 @@ def main() -> None:
         None,
         [
             "model.device=cuda",
-            "model.dtype=bfloat16",
+            "model.dtype=auto",
+            f"rollout.micro_batch_size={args.micro_batch}",
+            f"algorithm.train_micro_batch_size={args.train_micro_batch}",
             f"data.prompts_per_step={args.prompts}",
             f"algorithm.group_size={args.group}",
             f"sampler.height={args.size}",
@@ -89,6 +95,7 @@ def main() -> None:
             f"logging.run_dir={tempfile.mkdtemp()}",
             "logging.sample_every=0",
             "logging.progress=false",
+            f"model.compile={str(args.compile).lower()}",
         ],
     )
     trainer = Trainer(config, parts=dataclasses.replace(parts, transformer=model))
@@ -115,6 +122,9 @@ def main() -> None:
         "nfe_rollout_per_image": mean["nfe/rollout_per_image"],
         "nfe_train_per_image": mean["nfe/train_per_image"],
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "tflops_per_step": mean["perf/tflops"],
+        "mfu": mean["perf/mfu"],
+        "tflops_per_image": mean["perf/tflops_per_image"],
         "logprob_diff_max": max(mean.get(f"logprob_diff/step{k}", 0.0) for k in range(2)),
     }
     print(json.dumps(out, indent=2))

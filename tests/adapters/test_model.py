@@ -125,7 +125,11 @@ def test_init_signature_defaults_match_upstream():
     }
     params = inspect.signature(BooguImageTransformer2DModel.__init__).parameters
     assert {k: p.default for k, p in params.items() if k != "self"} == expected
-    forward = list(inspect.signature(BooguImageTransformer2DModel.forward).parameters)
+    forward_params = inspect.signature(BooguImageTransformer2DModel.forward).parameters
+    # Upstream's positional signature, unchanged; ours adds only keyword-only extras.
+    forward = [k for k, p in forward_params.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    extras = [k for k, p in forward_params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert extras == ["instruction_lengths"] and forward_params["instruction_lengths"].default is None
     assert forward == [
         "self",
         "hidden_states",

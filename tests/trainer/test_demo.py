@@ -3,6 +3,8 @@ when the advantage sign is flipped (the check that the sign convention is not si
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from boogu_trainer.config import demo_config, load_config
@@ -25,8 +27,12 @@ def test_demo_reward_moves_with_the_advantage_sign(sign, tiny_checkpoint, tmp_pa
         ],
         base=demo_config(),
     )
-    history = Trainer(config).train()
+    trainer = Trainer(config)
+    history = trainer.train()
     assert len(history) == config.total_steps
+    lines = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == config.total_steps
+    assert all(0 < r["perf/mfu"] < 1 and r["perf/tflops_per_image"] > 0 for r in lines)
     s = summarize_rewards(history)
     assert s["window"] == 5
     if sign > 0:

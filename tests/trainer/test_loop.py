@@ -79,8 +79,15 @@ def test_run_writes_metrics_samples_curve_and_checkpoints(finished_run):
         "time/train",
         "images_per_s",
         "peak_memory_gb",
+        "perf/tflops",
+        "perf/mfu",
+        "perf/tflops_per_image",
     ):
-        assert key in lines[-1], key
+        assert all(key in line for line in lines), key
+    # Model FLOPs of each step: 8 images x 4 steps x 2 (CFG) rollout forwards, then the update's
+    # training forwards (with their backward); MFU against a measured CPU peak is a fraction.
+    assert all(r["perf/tflops_rollout"] > 0 and r["perf/tflops_train"] > 0 for r in lines)
+    assert all(0 < r["perf/mfu"] < 1 for r in lines)
     # On-policy: before the first update the training log-prob equals the rollout's exactly.
     assert all(r["logprob_diff/step0"] == 0.0 and r["logprob_diff/step1"] == 0.0 for r in lines)
     assert lines[0]["nfe/rollout_per_image"] == 8  # 4 steps x (positive + negative)

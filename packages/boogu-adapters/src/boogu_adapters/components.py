@@ -153,10 +153,11 @@ def build_local_engine(
     cfg_mode: CfgMode = "batched",
     device: torch.device | str | None = None,
     edit_vlm_view: VlmView = "upstream",
+    micro_batch_size: int = 0,
 ) -> LocalRolloutEngine:
     """A :class:`LocalRolloutEngine` over the parts (``transformer`` overrides ``parts.transformer``,
     e.g. the LoRA-injected module the trainer trains; ``edit_vlm_view`` is the prompt encoder's
-    ``vlm_view``)."""
+    ``vlm_view``; ``micro_batch_size`` caps the latents per transformer call and VAE decode)."""
     model = transformer if transformer is not None else parts.transformer
     return LocalRolloutEngine(
         model,
@@ -174,4 +175,5 @@ def build_local_engine(
         cfg_mode=cfg_mode,
         device=device,
         shares_module=transformer is not None,
+        micro_batch_size=micro_batch_size,
     )

@@ -211,3 +211,39 @@ def adapters_disabled(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         for name, param in module.named_parameters():
             if not is_lora_param(name):
                 param.requires_grad_(False)
+
+
+class InputDtypeLinear(torch.nn.Linear):
+    """A LoRA ``lora_A``/``lora_B`` linear whose (float32 master) weight is cast to the input's dtype.
+
+    The cast is part of the autograd graph, so the gradient reaches the float32 weight as float32,
+    while the product runs in the model's compute dtype (bf16 on GPU) like the base layer's.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+def compute_lora_in_input_dtype(module: torch.nn.Module) -> int:
+    """Run every LoRA product in the dtype of the activations it receives; returns the layers changed.
+
+    peft casts a LoRA layer's input to the adapter weight's dtype, so float32 master adapters on a
+    bf16 base make every wrapped linear compute its LoRA branch in float32 (upcast activations,
+    fp32 GEMMs). After this the branch computes in the activation dtype (bf16 on GPU) and the
+    weights stay float32 (the optimizer's master copy); for a float32 model nothing changes, bit
+    for bit. State-dict keys are unchanged.
+    """
+    changed = 0
+    for layer in _tuner_layers(module):
+        if not hasattr(layer, "cast_input_dtype_enabled"):
+            raise TypeError(
+                f"{type(layer).__name__}: this peft version has no cast_input_dtype_enabled switch"
+            )
+        layer.cast_input_dtype_enabled = False
+        for linears in (getattr(layer, "lora_A", {}), getattr(layer, "lora_B", {})):
+            for linear in linears.values():
+                if type(linear) is torch.nn.Linear:
+                    linear.__class__ = InputDtypeLinear
+        changed += 1
+    return changed

@@ -30,7 +30,7 @@ from boogu_adapters.lora import (
     lora_state_dict,
 )
 from boogu_adapters.step import CfgMode, boogu_velocity, forwards_per_step
-from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
+from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory, host_tensor
 from boogu_data import PromptRecord
 from boogu_schedule import (
     BooguScheduleConfig,
@@ -118,24 +118,48 @@ class EngineStats:
     images_decoded: int = 0
     samples: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    pending: list[tuple[str, Any, Any]] = field(default_factory=list)
+    """CUDA (key, start event, end event) not yet added to ``seconds`` (see :meth:`settle`)."""
+
+    def settle(self) -> None:
+        """Add the recorded CUDA event pairs to ``seconds`` (waits for the last one)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for key, start, end in self.pending:
+                self.seconds[key] += start.elapsed_time(end) / 1000.0
+            self.pending.clear()
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "seconds"}
+        self.settle()
+        d = {k: v for k, v in self.__dict__.items() if k not in ("seconds", "pending")}
         d.update({f"time/{k}": v for k, v in self.seconds.items()})
         return d
 
 
 class _Timer:
+    """Wall time of a block into ``stats.seconds[key]``; on CUDA, GPU time between two events.
+
+    CUDA timings are read in :meth:`EngineStats.settle` (after the loop), never inside it: a
+    synchronize per timed call would stall the GPU's queue on every denoising step.
+    """
+
     def __init__(self, stats: EngineStats, key: str, device: torch.device):
         self.stats, self.key, self.device = stats, key, device
 
     def __enter__(self):
-        self.t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stats.seconds[self.key] += time.perf_counter() - self.t0
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats.pending.append((self.key, self.start, end))
+        else:
+            self.stats.seconds[self.key] += time.perf_counter() - self.t0
 
 
 def _dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
@@ -151,6 +175,49 @@ def _dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
     return unique, index
 
 
+class _WindowSteps:
+    """Per denoising step, the rows inside their SDE window, as device index tensors built up front.
+
+    ``inside[i]`` is ``(rows, k)`` (rows inside their window at step i, ascending, and each row's
+    window position) or None; ``entering[i]`` the rows whose window starts at step i, or None;
+    ``draws[i]`` the ``(group, count)`` noise draws of step i in row order. All of it is derived on
+    the host from the window starts, so the loop never reads a device value.
+    """
+
+    def __init__(self, starts: list[int], width: int, steps: int, group_of: list[int], device: torch.device):
+        self.inside: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.entering: list[torch.Tensor | None] = []
+        self.draws: list[list[tuple[int, int]]] = []
+        self.any_outside: list[bool] = []
+        flat: list[int] = []
+        spans: list[tuple[str, int, int, int]] = []  # (kind, step, offset, length)
+        for i in range(steps):
+            rows = [b for b, s in enumerate(starts) if s <= i < s + width]
+            entering = [b for b, s in enumerate(starts) if s == i]
+            self.any_outside.append(len(rows) < len(starts))
+            draws: list[tuple[int, int]] = []
+            for b in rows:
+                if draws and draws[-1][0] == group_of[b]:
+                    draws[-1] = (group_of[b], draws[-1][1] + 1)
+                else:
+                    draws.append((group_of[b], 1))
+            self.draws.append(draws)
+            for kind, values in (("rows", rows), ("k", [i - starts[b] for b in rows]), ("enter", entering)):
+                spans.append((kind, i, len(flat), len(values)))
+                flat.extend(values)
+        for s in starts:
+            flat.extend(range(s, s + width))  # step_index, row-major (B, W)
+        everything = host_tensor(flat, device)  # one host-to-device copy for the whole plan
+        by_step: dict[tuple[str, int], torch.Tensor | None] = {
+            (kind, i): everything[off : off + length] if length else None for kind, i, off, length in spans
+        }
+        for i in range(steps):
+            rows = by_step[("rows", i)]
+            self.inside.append(None if rows is None else (rows, by_step[("k", i)]))
+            self.entering.append(by_step[("enter", i)])
+        self.step_index = everything[len(flat) - len(starts) * width :].reshape(len(starts), width)
+
+
 class LocalRolloutEngine:
     """In-process rollouts with the trainer's own transformer module.
 
@@ -164,6 +231,8 @@ class LocalRolloutEngine:
         latent_channels: the transformer's ``in_channels``.
         shares_module: the transformer is the trainer's own module (the default local set-up):
             ``sync_weights`` then checks the module's identity instead of copying.
+        micro_batch_size: at most this many latents per transformer call and per VAE decode
+            (0 = the whole batch). Per-sample results do not depend on it beyond float rounding.
     """
 
     def __init__(
@@ -179,6 +248,7 @@ class LocalRolloutEngine:
         device: torch.device | str | None = None,
         on_step: Callable[[int, int], None] | None = None,
         shares_module: bool = False,
+        micro_batch_size: int = 0,
     ):
         self.transformer = transformer
         self.encode_prompts = encode_prompts
@@ -190,6 +260,9 @@ class LocalRolloutEngine:
         self.device = torch.device(device) if device is not None else next(transformer.parameters()).device
         self.on_step = on_step
         self.shares_module = shares_module
+        if micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size must be >= 0 (0 = no split), got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
         self.stats = EngineStats()
         self._version = 0
         self.sync_log: list[tuple[int, str]] = []
@@ -261,10 +334,12 @@ class LocalRolloutEngine:
             keys = [(r.instruction, r.ref_image) for r in records]
             unique, idx = _dedupe(keys)
             hidden, mask = self.encode_prompts([k[0] for k in unique], [k[1] for k in unique])
+            # Valid tokens per prompt, read to the host once here (not in every forward).
+            lengths = mask.sum(dim=1).tolist()
             self.stats.encoder_calls += 1
             self.stats.prompts_encoded += len(unique)
             sample_rows = torch.tensor(idx, device=hidden.device).repeat_interleave(group_size)
-            neg_hidden = neg_mask = None
+            neg_hidden = neg_mask = neg_lengths = None
             if guidance_scale != 1.0:
                 # Negatives are encoded text-only (upstream use_input_images_4_neg_instruct=False).
                 negs, neg_idx = _dedupe([r.negative for r in records])
@@ -273,6 +348,8 @@ class LocalRolloutEngine:
                 self.stats.negatives_encoded += len(negs)
                 rows = torch.tensor(neg_idx, device=nh.device).repeat_interleave(group_size)
                 neg_hidden, neg_mask = nh[rows], nm[rows]
+                per_negative = nm.sum(dim=1).tolist()
+                neg_lengths = tuple(per_negative[i] for i in neg_idx for _ in range(group_size))
             refs = None
             if any(r.ref_image is not None for r in records):
                 if self.codec is None:
@@ -295,6 +372,8 @@ class LocalRolloutEngine:
             negative_hidden_states=neg_hidden,
             negative_attention_mask=neg_mask,
             ref_latents=refs,
+            lengths=tuple(lengths[i] for i in idx for _ in range(group_size)),
+            negative_lengths=neg_lengths,
         )
 
     def _output_size(self, request: RolloutRequest) -> tuple[int, int]:
@@ -308,6 +387,11 @@ class LocalRolloutEngine:
         return sizes.pop() if sizes else (request.height, request.width)
 
     # ---- the denoising loop --------------------------------------------------------------------
+    def _calls_per_step(self, batch: int, guidance_scale: float) -> int:
+        mb = self.micro_batch_size or batch
+        chunks = -(-batch // mb)
+        return chunks * (1 if (guidance_scale == 1.0 or self.cfg_mode == "batched") else 2)
+
     def _generators(self, request: RolloutRequest) -> tuple[list[torch.Generator], torch.Generator]:
         """One generator per group, seeded from (request seed, global group index), plus one for the batch.
 
@@ -355,8 +439,9 @@ class LocalRolloutEngine:
         if len(sizes) != 1:
             raise ValueError(f"all windows of a request must have one size, got {sorted(sizes)}")
         width_w = sizes.pop()
-        starts = torch.tensor([win.start for win in windows], device=self.device)
+        group_of_host = [g for g in range(num_prompts) for _ in range(n)]
         group_of = torch.arange(num_prompts, device=self.device).repeat_interleave(n)
+        plan = _WindowSteps([win.start for win in windows], width_w, steps, group_of_host, self.device)
 
         # The running latent is float32 from the first draw (the float32 trajectory rule).
         shape = (self.latent_channels, h, w)
@@ -367,8 +452,9 @@ class LocalRolloutEngine:
         means = x.new_zeros(batch, width_w, *shape)
         log_probs = x.new_zeros(batch, width_w)
         stds = x.new_zeros(batch, width_w)
-        step_index = starts[:, None] + torch.arange(width_w, device=self.device)[None, :]
 
+        # The loop below makes no device-to-host read: which rows are inside their window at step i,
+        # and how many noise draws each group makes, are known on the host from the window plan.
         for i in range(steps):
             sigma = sigmas[i].expand(batch).contiguous()
             sigma_next = sigmas[i + 1].expand(batch).contiguous()
@@ -381,35 +467,29 @@ class LocalRolloutEngine:
                     request.guidance_scale,
                     self.freqs_cis,
                     cfg_mode=self.cfg_mode,
+                    micro_batch_size=self.micro_batch_size,
                 )
-            self.stats.transformer_calls += (
-                1 if (request.guidance_scale == 1.0 or self.cfg_mode == "batched") else 2
-            )
+            self.stats.transformer_calls += self._calls_per_step(batch, request.guidance_scale)
             self.stats.transformer_sample_forwards += forwards_per_step(batch, request.guidance_scale)
             velocity = to_sde_velocity(v_boogu)  # negate once, after CFG
 
-            inside = (starts <= i) & (i < starts + width_w)
-            entering = starts == i
-            if entering.any():
+            entering = plan.entering[i]
+            if entering is not None:
                 latents[entering, 0] = x[entering]  # the window's entry state, before its first step
-            x_next = x.clone()
-            outside = ~inside
-            if outside.any():  # deterministic Euler steps outside the window
-                x_next[outside] = sde_step(
-                    Sampler.ODE, x[outside], velocity[outside], sigma[outside], sigma_next[outside], 0.0
-                ).prev_sample
-            if inside.any():
-                rows = inside.nonzero().flatten()
-                # Each group draws its SDE noise from its own stream.
+            # Deterministic Euler steps for every row (elementwise, so a row's value does not depend on
+            # the others); the rows inside their window are then overwritten by the SDE step.
+            if plan.any_outside[i]:
+                x_next = sde_step(Sampler.ODE, x, velocity, sigma, sigma_next, 0.0).prev_sample
+            else:
+                x_next = torch.empty_like(x)
+            inside = plan.inside[i]
+            if inside is not None:
+                rows, k = inside
+                # Each group draws its SDE noise from its own stream, in row order.
                 noise = torch.cat(
                     [
-                        torch.randn(
-                            int((group_of[rows] == g).sum()),
-                            *shape,
-                            generator=group_gens[g],
-                            device=self.device,
-                        )
-                        for g in group_of[rows].unique(sorted=True).tolist()
+                        torch.randn(count, *shape, generator=group_gens[g], device=self.device)
+                        for g, count in plan.draws[i]
                     ]
                 )
                 step = sde_step(
@@ -421,7 +501,6 @@ class LocalRolloutEngine:
                     request.noise_level,
                     noise=noise,
                 )
-                k = i - starts[rows]
                 x_next[rows] = step.prev_sample
                 latents[rows, k + 1] = step.prev_sample
                 means[rows, k] = step.mean
@@ -436,12 +515,14 @@ class LocalRolloutEngine:
             if self.codec is None:
                 raise ValueError("decode=True needs a VAE codec")
             with self._timer("decode"):
-                images = self.codec.decode(x)
+                mb = self.micro_batch_size or batch
+                images = torch.cat([self.codec.decode(x[j : j + mb]) for j in range(0, batch, mb)])
             self.stats.images_decoded += batch
         self.stats.samples += batch
+        self.stats.settle()
         return Trajectory(
             latents=latents,
-            step_index=step_index.long(),
+            step_index=plan.step_index,
             sigmas=sigmas,
             log_prob=log_probs,
             mean=means,

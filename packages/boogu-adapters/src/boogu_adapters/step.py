@@ -11,6 +11,8 @@ is not 1 on-policy and the clip fires on noise. Both go through :func:`transitio
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Literal
 
@@ -47,8 +49,17 @@ def _ref_inputs(refs: Sequence[torch.Tensor | None] | None, dtype: torch.dtype) 
     return [None if r is None else [r.to(dtype)] for r in refs]
 
 
-def _forward(transformer, x, t, hidden, mask, refs, freqs_cis) -> torch.Tensor:
-    out = transformer(x, t, hidden, freqs_cis, mask, ref_image_hidden_states=refs, return_dict=False)
+@functools.cache
+def _takes_lengths(cls: type) -> bool:
+    """Whether ``cls.forward`` accepts host-side ``instruction_lengths`` (our port does; upstream's does not)."""
+    return "instruction_lengths" in inspect.signature(cls.forward).parameters
+
+
+def _forward(transformer, x, t, hidden, mask, refs, freqs_cis, lengths=None) -> torch.Tensor:
+    extra = {}
+    if lengths is not None and _takes_lengths(type(transformer)):
+        extra["instruction_lengths"] = lengths  # the model then never reads the mask back to the host
+    out = transformer(x, t, hidden, freqs_cis, mask, ref_image_hidden_states=refs, return_dict=False, **extra)
     if isinstance(out, tuple):  # canonical classes that return tuples
         out = out[0]
     return getattr(out, "sample", out)
@@ -63,6 +74,7 @@ def boogu_velocity(
     freqs_cis: Sequence[torch.Tensor],
     *,
     cfg_mode: CfgMode = "batched",
+    micro_batch_size: int = 0,
 ) -> torch.Tensor:
     """Guided Boogu velocity ``x0 - eps`` as float32, before negation.
 
@@ -71,10 +83,29 @@ def boogu_velocity(
         sigma: (B,) float32 noise levels; the transformer receives ``t = 1 - sigma``.
         cfg_mode: ``"batched"`` runs positive and negative in one forward of 2B samples (equal to the
             sequential result within float tolerance, faster); ``"sequential"`` runs two forwards.
+        micro_batch_size: at most this many latents per transformer call (consecutive rows;
+            0 = all). Without gradients only: a training step splits its rows itself, so that each
+            micro-batch's activations are freed by its own backward.
     """
     if latents.dtype != torch.float32 or sigma.dtype != torch.float32:
         raise TypeError(
             f"boogu_velocity: latents and sigma must be float32, got {latents.dtype}, {sigma.dtype}"
+        )
+    batch = latents.shape[0]
+    if 0 < micro_batch_size < batch:
+        return torch.cat(
+            [
+                boogu_velocity(
+                    transformer,
+                    latents[i : i + micro_batch_size],
+                    sigma[i : i + micro_batch_size],
+                    cond.slice(i, i + micro_batch_size),
+                    guidance_scale,
+                    freqs_cis,
+                    cfg_mode=cfg_mode,
+                )
+                for i in range(0, batch, micro_batch_size)
+            ]
         )
     dtype = model_dtype(transformer)
     x = latents.to(dtype)
@@ -87,8 +118,9 @@ def boogu_velocity(
             f"guidance_scale={guidance_scale} needs negative prompt features; the conditioning has none"
         )
 
+    lengths, neg_lengths = cond.lengths, cond.negative_lengths
     if not use_cfg:
-        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis)
+        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis, lengths)
         return v_pos.float()
 
     neg_hidden = cond.negative_hidden_states.to(dtype)
@@ -106,11 +138,12 @@ def boogu_velocity(
             torch.cat([m_pos, m_neg]),
             None if refs is None else refs + refs,
             freqs_cis,
+            None if lengths is None or neg_lengths is None else lengths + neg_lengths,
         )
         v_pos, v_neg = both.float().chunk(2)
     elif cfg_mode == "sequential":
-        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis).float()
-        v_neg = _forward(transformer, x, t, neg_hidden, neg_mask, refs, freqs_cis).float()
+        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis, lengths).float()
+        v_neg = _forward(transformer, x, t, neg_hidden, neg_mask, refs, freqs_cis, neg_lengths).float()
     else:
         raise ValueError(f"cfg_mode must be 'batched' or 'sequential', got {cfg_mode!r}")
     return text_cfg(v_pos, v_neg, guidance_scale)

@@ -86,6 +86,19 @@ class RolloutRequest:
         return len(self.records) * self.group_size
 
 
+def host_tensor(
+    values: Sequence[int] | Sequence[bool], device: torch.device, dtype=torch.long
+) -> torch.Tensor:
+    """A tensor of host values on ``device`` without a blocking copy (pinned + non_blocking on CUDA).
+
+    ``torch.tensor(values, device="cuda")`` waits for the GPU's queue to drain; this does not.
+    """
+    tensor = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass(frozen=True)
 class Conditioning:
     """Transformer inputs that stay fixed across the denoising steps of a batch.
@@ -104,9 +117,18 @@ class Conditioning:
     """(B, L')."""
     ref_latents: tuple[torch.Tensor | None, ...] | None = None
     """Edit only: per sample, (C, h', w') scaled VAE latents of the reference image, or None."""
+    lengths: tuple[int, ...] | None = None
+    """Host copy of ``attention_mask.sum(1)`` (valid tokens per sample), so that forwards inside the
+    denoising and training loops never read the mask back from the device; None: not known."""
+    negative_lengths: tuple[int, ...] | None = None
+    """Host copy of the negative mask's valid tokens per sample."""
 
     def __post_init__(self) -> None:
         b = self.hidden_states.shape[0]
+        for name in ("lengths", "negative_lengths"):
+            value = getattr(self, name)
+            if value is not None and len(value) != b:
+                raise ValueError(f"Conditioning: {len(value)} {name} for batch {b}")
         if self.attention_mask.shape[0] != b:
             raise ValueError("Conditioning: attention_mask batch differs from hidden_states")
         if (self.negative_hidden_states is None) != (self.negative_attention_mask is None):
@@ -129,16 +151,35 @@ class Conditioning:
         return self.ref_latents is not None and any(r is not None for r in self.ref_latents)
 
     def select(self, index: torch.Tensor | Sequence[int]) -> Conditioning:
-        """The rows ``index`` (a mini-batch), sharing storage where possible."""
-        idx = torch.as_tensor(index, dtype=torch.long)
-        refs = None if self.ref_latents is None else tuple(self.ref_latents[i] for i in idx.tolist())
+        """The rows ``index`` (host indices: a mini-batch), sharing storage where possible."""
+        rows = index.tolist() if isinstance(index, torch.Tensor) else [int(i) for i in index]
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            return self.slice(rows[0], rows[0] + len(rows))  # contiguous: views, no copies
+        idx = host_tensor(rows, self.hidden_states.device)
         neg = self.negative_hidden_states
         return Conditioning(
             hidden_states=self.hidden_states[idx],
             attention_mask=self.attention_mask[idx],
             negative_hidden_states=None if neg is None else neg[idx],
             negative_attention_mask=None if neg is None else self.negative_attention_mask[idx],
-            ref_latents=refs,
+            ref_latents=None if self.ref_latents is None else tuple(self.ref_latents[i] for i in rows),
+            lengths=None if self.lengths is None else tuple(self.lengths[i] for i in rows),
+            negative_lengths=None
+            if self.negative_lengths is None
+            else tuple(self.negative_lengths[i] for i in rows),
+        )
+
+    def slice(self, start: int, stop: int) -> Conditioning:
+        """Rows ``start:stop`` as views (a micro-batch)."""
+        neg = self.negative_hidden_states
+        return Conditioning(
+            hidden_states=self.hidden_states[start:stop],
+            attention_mask=self.attention_mask[start:stop],
+            negative_hidden_states=None if neg is None else neg[start:stop],
+            negative_attention_mask=None if neg is None else self.negative_attention_mask[start:stop],
+            ref_latents=None if self.ref_latents is None else self.ref_latents[start:stop],
+            lengths=None if self.lengths is None else self.lengths[start:stop],
+            negative_lengths=None if self.negative_lengths is None else self.negative_lengths[start:stop],
         )
 
 

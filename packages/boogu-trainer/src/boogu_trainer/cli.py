@@ -4,6 +4,7 @@ trainer                                   the CPU demo (tiny random checkpoint, 
 trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
+trainer RECIPE.yaml --plan [--gpu-memory GB]   print the expected peak memory per GPU and exit
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
     parser.add_argument(
         "--config-reference", action="store_true", help="print the config reference as Markdown"
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the expected peak memory per GPU (no weights are loaded; WORLD_SIZE ranks) and exit",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GB",
+        help="with --plan: GPU memory in GiB, to report the largest micro-batches that fit",
+    )
     parser.add_argument("--version", action="version", version=f"boogu-trainer {__version__}")
     ns = parser.parse_args(argv)
     recipe = None
@@ -89,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.print_config:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        return 0
+    if ns.plan:
+        from boogu_trainer.plan import plan_memory
+
+        _quiet_libraries()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        print(plan_memory(config, world_size=world, gpu_memory_gb=ns.gpu_memory).render())
         return 0
     logging.basicConfig(
         level=os.environ.get("BOOGU_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"

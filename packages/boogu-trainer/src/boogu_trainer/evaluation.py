@@ -86,7 +86,7 @@ class Evaluator:
         )
         with self.dist.collective("evaluation"):
             traj = self.engine.generate(request)
-        scores = self.rewards(traj.images, records)
+        scores = self.rewards(traj.images, records, micro_batch_size=self.config.rollout.micro_batch_size)
         valid = torch.tensor([i is not None for i in slots])
         keep = self.dist.all_gather_cat(valid, "gather evaluation slots")
         out = {}

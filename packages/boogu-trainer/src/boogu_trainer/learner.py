@@ -14,6 +14,7 @@ update is undone from a snapshot and reported, so the run can stop with the last
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -69,13 +70,18 @@ class Learner:
 
     # ---- the update --------------------------------------------------------------------------------
     def update(self, batch: ScoredBatch) -> UpdateResult:
-        """Policy-gradient updates on one rollout batch."""
+        """Policy-gradient updates on one rollout batch.
+
+        Inside the loops over mini-batches, micro-batches and window steps nothing is read back from
+        the device; each optimizer step makes two host reads (whether the losses and the gradient norm
+        were finite, and whether the updated weights are), and the metrics are read once at the end.
+        """
         a = self.config.algorithm
         traj = batch.trajectory
         n = a.group_size
         self.transformer.train()
-        acc: dict[str, list[float]] = defaultdict(list)
-        logprob_diff = [0.0] * traj.window_size
+        acc: dict[str, list[torch.Tensor | float]] = defaultdict(list)
+        logprob_diff: list[torch.Tensor | None] = [None] * traj.window_size
         all_finite, weights_finite = True, True
         self.counters["nonfinite_reward_samples"] += int((~batch.finite).sum())
         advantages = torch.where(
@@ -83,6 +89,7 @@ class Learner:
         )
         if not bool(batch.global_advantages.finite.any()):
             return self._finish(acc, logprob_diff, finite=False)
+        host_advantages = advantages.cpu()  # once per update, before the loops
         groups = traj.batch_size // n
         num_mb = min(a.mini_batches, groups)
         global_group = traj.group_id.cpu()[::n]  # (groups,) global group index of each local group
@@ -94,21 +101,30 @@ class Learner:
                 if not self.dist.enabled and a.kl_coef == 0:
                     # No policy gradient where A = 0: skip the compute (a single process only; under
                     # FSDP every rank must run the same forwards).
-                    rows = rows[advantages[rows].cpu() != 0]  # host sync, once per mini-batch
+                    rows = rows[host_advantages[rows] != 0]
                 if rows.numel() == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                finite = self._accumulate(batch, advantages, rows, total_rows, acc, logprob_diff, epoch, mb)
-                finite = not self.dist.any(not finite, self.device, "agree on a non-finite loss")
-                if not finite:
-                    all_finite = False
-                    self.optimizer.zero_grad(set_to_none=True)
-                    continue
+                bad_loss = self._accumulate(
+                    batch,
+                    advantages,
+                    self.micro_batches(rows),
+                    total_rows,
+                    acc,
+                    logprob_diff,
+                    first=epoch == 0 and mb == 0,
+                )
                 grad_norm = full_tensor(
                     torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip)
                 )
-                acc["grad_norm"].append(float(grad_norm))  # host sync, once per optimizer step
-                if not torch.isfinite(grad_norm):
+                # The one read before the step: were the losses and the gradients finite?
+                bad, norm = torch.stack([bad_loss.float(), grad_norm.float().reshape(())]).tolist()
+                if self.dist.any(bad > 0, self.device, "agree on a non-finite loss"):
+                    all_finite = False
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                acc["grad_norm"].append(norm)
+                if not math.isfinite(norm):
                     self.counters["nonfinite_grad_norm"] += 1
                     self.optimizer.zero_grad(set_to_none=True)
                     all_finite = False
@@ -124,45 +140,88 @@ class Learner:
                 break
         return self._finish(acc, logprob_diff, finite=all_finite, weights_finite=weights_finite)
 
-    def _accumulate(self, batch, advantages, rows, total_rows, acc, logprob_diff, epoch, mb) -> bool:
-        """Forward + backward of every window step of one mini-batch; False if a loss was not finite."""
+    def micro_batches(self, rows: torch.Tensor) -> list[list[int]]:
+        """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
+        size = self.config.algorithm.train_micro_batch_size or rows.numel()
+        return [chunk.tolist() for chunk in rows.split(size)]
+
+    def _accumulate(
+        self, batch, advantages, chunks, total_rows, acc, logprob_diff, *, first: bool
+    ) -> torch.Tensor:
+        """Forward + backward of every micro-batch and window step of one mini-batch.
+
+        Gradients accumulate across micro-batches: each contributes its rows' share of the mean over
+        the mini-batch's samples (skipped ones count as zero) and the window's steps. Returns a device
+        bool: some loss was not finite. Under several ranks such a loss still goes through backward,
+        whose FSDP reduce-scatters every rank must join; the optimizer step is then skipped on all ranks.
+        """
         a = self.config.algorithm
         traj = batch.trajectory
-        finite = True
-        for k in range(traj.window_size):
-            stats = self.adapter.step_stats(self.transformer, traj, k, index=rows)
-            old = traj.log_prob[rows, k]
-            if epoch == 0 and mb == 0:
-                # Before any update the recomputed log-prob must equal the rollout's (on-policy check).
-                logprob_diff[k] = float((stats.log_prob.detach() - old).abs().max())
-            pl = policy_loss(stats.log_prob, old, advantages[rows], a.clip_range)
-            loss = pl.loss
-            if a.kl_coef > 0:
-                with torch.no_grad():
-                    ref = self.adapter.step_stats(self.transformer, traj, k, index=rows, use_adapters=False)
-                step = traj.step_index[rows, k]
-                dt = traj.sigmas[step + 1] - traj.sigmas[step]
-                kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, a.kl_kind, traj.sampler).mean()
-                loss = loss + a.kl_coef * kl
-                acc["kl_ref"].append(float(kl))
-            finite &= bool(torch.isfinite(loss))  # host sync, once per window step
-            if not finite and not self.dist.enabled:
-                return False
-            # Mean over the mini-batch's samples (skipped ones count as zero), averaged over steps.
-            # Under several ranks a non-finite loss still goes through backward, whose FSDP
-            # reduce-scatters every rank must join; the optimizer step is then skipped on all ranks.
-            (loss * (rows.numel() / total_rows / traj.window_size)).backward()
-            acc["loss"].append(float(loss.detach()))
-            acc["policy_loss"].append(float(pl.loss.detach()))
-            for key, value in pl.metrics.items():
-                acc[key].append(value)
-        return finite
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        # Each metric is the mini-batch's mean over samples and window steps: chunk values weighted
+        # by their share of the rows.
+        sums: dict[str, torch.Tensor] = {}
+
+        def add(key: str, value: torch.Tensor, share: float) -> None:
+            value = value.detach().double() * share
+            sums[key] = value if key not in sums else sums[key] + value
+
+        rows = sum(len(chunk) for chunk in chunks)
+        for chunk in chunks:
+            weight = len(chunk) / total_rows / traj.window_size
+            share = len(chunk) / rows / traj.window_size
+            chunk_advantages = self.adapter.rows(advantages, chunk)
+            for k in range(traj.window_size):
+                stats = self.adapter.step_stats(self.transformer, traj, k, index=chunk)
+                old = self.adapter.rows(traj.log_prob, chunk)[:, k]
+                if first:
+                    # Before any update the recomputed log-prob must equal the rollout's (on-policy check).
+                    diff = (stats.log_prob.detach() - old).abs().max()
+                    logprob_diff[k] = (
+                        diff if logprob_diff[k] is None else torch.maximum(logprob_diff[k], diff)
+                    )
+                pl = policy_loss(stats.log_prob, old, chunk_advantages, a.clip_range)
+                loss = pl.loss
+                if a.kl_coef > 0:
+                    with torch.no_grad():
+                        ref = self.adapter.step_stats(
+                            self.transformer, traj, k, index=chunk, use_adapters=False
+                        )
+                    step = self.adapter.rows(traj.step_index, chunk)[:, k]
+                    dt = traj.sigmas[step + 1] - traj.sigmas[step]
+                    kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, a.kl_kind, traj.sampler).mean()
+                    loss = loss + a.kl_coef * kl
+                    add("kl_ref", kl, share)
+                bad = bad | ~torch.isfinite(loss.detach())
+                (loss * weight).backward()
+                add("loss", loss, share)
+                add("policy_loss", pl.loss, share)
+                for key, value in pl.metrics.items():
+                    add(key, value, share)
+        for key, value in sums.items():
+            acc[key].append(value)
+        return bad
 
     def _finish(self, acc, logprob_diff, *, finite: bool, weights_finite: bool = True) -> UpdateResult:
         self.transformer.eval()
-        out: dict[str, Any] = {k: sum(v) / len(v) for k, v in acc.items() if v}
+        out: dict[str, Any] = {}
+        on_device: list[tuple[str, torch.Tensor]] = []
+        for key, values in acc.items():
+            if not values:
+                continue
+            if isinstance(values[0], torch.Tensor):
+                on_device.append((key, torch.stack([v.double() for v in values]).mean()))
+            else:
+                out[key] = sum(values) / len(values)
         for k, d in enumerate(logprob_diff):
-            out[f"logprob_diff/step{k}"] = d
+            if d is None:
+                out[f"logprob_diff/step{k}"] = 0.0
+            else:
+                on_device.append((f"logprob_diff/step{k}", d.double()))
+        if on_device:  # one read of everything the update measured on the device
+            out.update(
+                zip([k for k, _ in on_device], torch.stack([v for _, v in on_device]).tolist(), strict=True)
+            )
         out["optimizer_steps"] = self.counters["optimizer_steps"]
         return UpdateResult(metrics=out, finite=finite, weights_finite=weights_finite)
 

@@ -31,7 +31,7 @@ import yaml
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import BooguParts, load_boogu
-from boogu_adapters.lora import add_lora, is_lora_param
+from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype, is_lora_param
 from boogu_adapters.training import TrainingAdapter
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
@@ -43,6 +43,7 @@ from boogu_trainer.evaluation import Evaluator
 from boogu_trainer.faults import fault_point
 from boogu_trainer.learner import Learner, UpdateResult
 from boogu_trainer.metrics import ForwardCounter, MetricsLogger, StepTimer, plot_reward_curve, sample_grid
+from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.rollout import RolloutScorer, ScoredBatch
 
@@ -131,6 +132,7 @@ class Trainer:
             cfg_mode=config.rollout.cfg_mode,
             device=self.device,
             edit_vlm_view=config.model.edit_vlm_view,
+            micro_batch_size=config.rollout.micro_batch_size,
         )
         self.rewards = build_rewards(config.reward.rewards)
         self.data = PromptSampler(
@@ -147,6 +149,8 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
         self.evaluator = Evaluator(config, self.engine, self.rewards, self.dist, val)
         self.forwards = ForwardCounter(self.transformer)
+        self.flop_meter = FlopMeter(self.transformer, attention_recompute=self.device.type == "cuda")
+        self._peak_tflops: float | None = None
         self.metrics: MetricsLogger | None = None
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (0, None)
         self.step = 0
@@ -168,15 +172,25 @@ class Trainer:
             init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
             seed=cfg.seed,
         )
-        # float32 master weights for the adapters even when the base runs in bf16.
+        # float32 master weights for the adapters even when the base runs in bf16; their products
+        # run in the activations' dtype (bf16 on GPU), like the base layers'.
         for name, p in transformer.named_parameters():
             if is_lora_param(name):
                 p.data = p.data.float()
+        compute_lora_in_input_dtype(transformer)
         checkpointing = cfg.model.gradient_checkpointing
         if checkpointing is None:
             checkpointing = transformer.config.hidden_size >= 1024
         if checkpointing:
             transformer.enable_gradient_checkpointing()
+        if cfg.model.compile:
+            if not hasattr(transformer, "enable_regional_compile"):
+                raise ValueError(
+                    f"model.compile=true needs the native transformer (model.transformer=native), "
+                    f"got {type(transformer).__name__}"
+                )
+            # Per block, after LoRA and checkpointing and before FSDP: keys and hooks stay as they are.
+            transformer.enable_regional_compile(bucket=cfg.model.compile_bucket)
         return transformer
 
     def _records(self, files) -> list[PromptRecord]:
@@ -225,6 +239,7 @@ class Trainer:
         """One FlowGRPO step: roll out and score, update the policy, publish the new weights."""
         step = self.step + 1
         timer = StepTimer(self.device)
+        self.flop_meter.take()  # forwards since the last step (an evaluation) are not this step's
         fault_point("step_start", step, self.dist.rank)
         records = self.data.next_batch()
         lo, hi = self.dist.shard(len(records))
@@ -255,7 +270,15 @@ class Trainer:
                 "weights_version": self.engine.weights_version,
             }
         )
+        metrics.update(self._perf(metrics["time/step"], batch.trajectory.batch_size))
         return StepResult(metrics=metrics, batch=batch)
+
+    def _perf(self, step_seconds: float, local_images: int) -> dict[str, float]:
+        """This rank's model FLOPs of the step, its MFU against this device's peak, per image."""
+        if self._peak_tflops is None:
+            dtype = next(p.dtype for n, p in self.transformer.named_parameters() if not is_lora_param(n))
+            self._peak_tflops = peak_tflops(self.device, dtype, self.config.perf.peak_tflops)
+        return step_perf(self.flop_meter.take(), step_seconds, images=local_images, peak=self._peak_tflops)
 
     def publish_weights(self, version: int) -> None:
         """Hand the new weights to the rollout engine; the full LoRA is gathered only if someone needs

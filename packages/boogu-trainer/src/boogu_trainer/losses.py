@@ -18,8 +18,9 @@ from boogu_schedule import Sampler, gaussian_kl
 class PolicyLoss:
     loss: torch.Tensor
     """Scalar policy loss (with grad)."""
-    metrics: dict[str, float]
-    """ratio mean/std, clip fractions, approx KL."""
+    metrics: dict[str, torch.Tensor]
+    """ratio mean/std, clip fractions, approx KL: detached 0-d tensors on the loss's device (read
+    them with ``float()`` after the loop; reading each one inside it would stall a GPU)."""
 
 
 def policy_loss(
@@ -34,13 +35,13 @@ def policy_loss(
     with torch.no_grad():
         r = ratio.detach()
         metrics = {
-            "ratio_mean": float(r.mean()),
-            "ratio_std": float(r.std(unbiased=False)) if r.numel() > 1 else 0.0,
-            "clipfrac": float(((r - 1).abs() > clip_range).float().mean()),
-            "clipfrac_upper": float((r > 1 + clip_range).float().mean()),
-            "clipfrac_lower": float((r < 1 - clip_range).float().mean()),
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
+            "clipfrac": ((r - 1).abs() > clip_range).float().mean(),
+            "clipfrac_upper": (r > 1 + clip_range).float().mean(),
+            "clipfrac_lower": (r < 1 - clip_range).float().mean(),
             # k3 estimator of KL(old || new): unbiased, >= 0.
-            "approx_kl": float(((r - 1) - log_ratio.detach()).mean()),
+            "approx_kl": ((r - 1) - log_ratio.detach()).mean(),
         }
     return PolicyLoss(loss=loss, metrics=metrics)
 

@@ -89,7 +89,11 @@ class RolloutScorer:
         before = (stats.prompts_encoded, stats.negatives_encoded, stats.seconds.get("encode", 0.0))
         traj = self.engine.generate(self.request(records, group_offset, step))
         n = self.config.algorithm.group_size
-        scores = self.rewards(traj.images, [r for r in records for _ in range(n)])
+        scores = self.rewards(
+            traj.images,
+            [r for r in records for _ in range(n)],
+            micro_batch_size=self.config.rollout.micro_batch_size,
+        )
 
         per_reward = {
             k: self.dist.all_gather_cat(v.float(), f"gather reward {k!r}")

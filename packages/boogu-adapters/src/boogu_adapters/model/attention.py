@@ -1,7 +1,8 @@
 """Attention modules: single-stream self-attention and the double-stream joint attention.
 
 `docs/upstream-model.md` §7.1 (single stream) and §7.2 (double stream), whose section numbers the
-comments below use. Both are pure PyTorch (``F.scaled_dot_product_attention``) and keep
+comments below use. Both are pure PyTorch (``F.scaled_dot_product_attention``, GQA through
+``enable_gqa``, mask-free wherever the layout allows: :class:`AttentionPlan`) and keep
 upstream's parameter names: upstream builds them from diffusers' ``Attention``, whose children
 are ``to_q/to_k/to_v``, ``norm_q/norm_k`` and ``to_out = [Linear, Dropout]``. The joint attention has no ``to_q/to_k/to_v``; its per-stream
 projections sit under a child named ``processor`` (upstream registers its attention processor,
@@ -11,15 +12,135 @@ an ``nn.Module``, under that name), so checkpoints and LoRA keys read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .layers import QKRMSNorm
-from .layout import StreamPacking
+from .layout import host_to_device
 from .rope import apply_rotary
 
-__all__ = ["BooguImageAttention", "BooguImageDoubleStreamAttention", "BooguImageDoubleStreamProjections"]
+if TYPE_CHECKING:
+    from .layout import StreamPacking
+
+__all__ = [
+    "MAX_LENGTH_GROUPS",
+    "AttentionPlan",
+    "BooguImageAttention",
+    "BooguImageDoubleStreamAttention",
+    "BooguImageDoubleStreamProjections",
+]
+
+MAX_LENGTH_GROUPS = 8
+"""Most distinct valid lengths a stage runs as per-length mask-free SDPA calls; with more, one
+masked call is cheaper than that many small launches (``AttentionPlan``)."""
+
+
+class AttentionPlan:
+    """How the SDPA calls of one stage run, fixed once per forward from host-side lengths.
+
+    A stage is N rows right-padded to ``width`` with ``lengths[n]`` valid tokens (keys and
+    queries). Modes, all computing §7.1's function on the valid rows:
+
+    * ``"dense"``: nothing is padded; one SDPA call without a mask.
+    * ``"grouped"``: rows are grouped by valid length (at most ``max_groups`` groups); each group
+      runs SDPA without a mask on its ``[rows, :length]`` slice (a view when the rows are a
+      contiguous range, an index otherwise) - varlen attention, so CUDA can use the flash kernel.
+      Padded query rows get zeros (never read); a row with no valid token is all zeros.
+    * ``"masked"``: one SDPA call with the (N, width) key mask (the fallback for many distinct
+      lengths, and the path compiled blocks take: a mask is a tensor input, lengths would be
+      Python constants baked into the graph).
+
+    ``mask`` (N, width) bool is built without a blocking host-to-device copy when not given.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        width: int,
+        device: torch.device,
+        mask: torch.Tensor | None = None,
+        *,
+        masked: bool = False,
+        max_groups: int = MAX_LENGTH_GROUPS,
+    ) -> None:
+        self.lengths = [int(n) for n in lengths]
+        self.width = int(width)
+        if any(n < 0 or n > self.width for n in self.lengths):
+            raise ValueError(f"lengths {self.lengths} do not fit the padded width {self.width}")
+        self._mask = mask
+        self._device = device
+        distinct = sorted(set(self.lengths), reverse=True)
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        if masked or len(distinct) > max_groups:
+            self.mode = "masked"
+        elif distinct == [self.width]:
+            self.mode = "dense"
+        else:
+            self.mode = "grouped"
+            for length in distinct:
+                rows = [n for n, m in enumerate(self.lengths) if m == length]
+                if rows[-1] - rows[0] + 1 == len(rows):
+                    index: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)
+                else:
+                    index = host_to_device(torch.tensor(rows), device)
+                self.groups.append((length, index))
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(N, width) bool, True = a valid key."""
+        if self._mask is None:
+            from .layout import length_mask
+
+            self._mask = length_mask(self.lengths, self.width, self._device)
+        return self._mask
+
+    def __repr__(self) -> str:
+        return f"AttentionPlan(mode={self.mode!r}, width={self.width}, lengths={self.lengths})"
+
+
+def _masked_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA with a (N, L) key mask; q: (N, H, L, d), k/v: (N, H_kv, L, d) -> (N, H, L, d)."""
+    # A row with no valid key at all (e.g. an empty instruction in the context refiner) would be
+    # NaN in SDPA, and a NaN - even in a slot nobody reads - poisons gradients. Let such rows see
+    # every key instead; their outputs are still never read.
+    key_mask = key_mask | ~key_mask.any(dim=-1, keepdim=True)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and query.is_cuda:
+        # With enable_gqa CUDA's SDPA dispatch leaves only the math kernel for a masked call;
+        # materialised K/V heads keep the memory-efficient kernel (§7.1 step 6: head h reads h // g).
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=key_mask[:, None, None, :], scale=scale, enable_gqa=groups > 1
+    )
+
+
+def _planned_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """SDPA following ``plan``; q: (N, H, L, d), k/v: (N, H_kv, L, d) -> (N, L, H, d)."""
+    gqa = query.shape[1] != key.shape[1]
+    if plan.mode == "masked":
+        return _masked_sdpa(query, key, value, plan.mask, scale).transpose(1, 2)
+    if plan.mode == "dense":
+        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa).transpose(1, 2)
+    batch, heads, length, head_dim = query.shape
+    out = query.new_zeros(batch, length, heads, head_dim)
+    for valid, rows in plan.groups:
+        if valid == 0:
+            continue  # nothing to attend to: the row stays zero (and NaN-free)
+        part = F.scaled_dot_product_attention(
+            query[rows, :, :valid], key[rows, :, :valid], value[rows, :, :valid], scale=scale, enable_gqa=gqa
+        )
+        out[rows, :valid] = part.transpose(1, 2)
+    return out
 
 
 def _multi_head_attention(
@@ -28,13 +149,14 @@ def _multi_head_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     rotary: torch.Tensor,
-    key_mask: torch.Tensor,
+    key_mask: torch.Tensor | AttentionPlan,
 ) -> torch.Tensor:
     """qk-norm, RoPE, GQA and SDPA on projected q/k/v; returns merged heads (N, L, H·d).
 
-    query: (N, L, H·d); key/value: (N, L, H_kv·d); rotary: (N, L, d/2, 2) float64;
-    key_mask: (N, L) bool, True = a key that may be attended to. Padded *query* rows are computed
-    like upstream and never read.
+    query: (N, L, H·d); key/value: (N, L, H_kv·d); rotary: (N, L, d/2, 2) real;
+    key_mask: an :class:`AttentionPlan`, or a (N, L) bool tensor (True = a key that may be
+    attended to; the masked path). Padded *query* rows are never read: the masked path computes
+    them like upstream, the planned paths leave zeros.
     """
     batch, length, _ = query.shape
     dtype = query.dtype
@@ -42,25 +164,19 @@ def _multi_head_attention(
     query = attn.norm_q(query.unflatten(-1, (-1, head_dim)))  # (N, L, H, d)
     key = attn.norm_k(key.unflatten(-1, (-1, head_dim)))  # (N, L, H_kv, d)
     value = value.unflatten(-1, (-1, head_dim))
-    # RoPE in float64 (§6.3), rounded to the qk-norm's output dtype and then to the projection
-    # dtype, the same two casts upstream makes (they differ only if norm weights and projections
-    # are kept in different dtypes).
+    # RoPE in rotary_dtype (§6.3), rounded to the qk-norm's output dtype and then to the
+    # projection dtype, the same two casts upstream makes (they differ only if norm weights and
+    # projections are kept in different dtypes).
     query = apply_rotary(query, rotary).to(query.dtype).to(dtype)
     key = apply_rotary(key, rotary).to(key.dtype).to(dtype)
 
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # (N, heads, L, d)
-    # GQA: query head h reads kv head h // (H / H_kv) (§7.1 step 6).
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    # A row with no valid key at all (e.g. an empty instruction in the context refiner) would be
-    # NaN in SDPA, and a NaN - even in a slot nobody reads - poisons gradients. Let such rows see
-    # every key instead; their outputs are still never read.
-    key_mask = key_mask | ~key_mask.any(dim=-1, keepdim=True)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=key_mask[:, None, None, :], scale=attn.scale
-    )
-    return out.transpose(1, 2).reshape(batch, length, -1).type_as(query)
+    # GQA: query head h reads kv head h // (H / H_kv) (§7.1 step 6), via enable_gqa (no copies).
+    if isinstance(key_mask, AttentionPlan):
+        out = _planned_sdpa(query, key, value, key_mask, attn.scale)
+    else:
+        out = _masked_sdpa(query, key, value, key_mask, attn.scale).transpose(1, 2)
+    return out.reshape(batch, length, -1).type_as(query)
 
 
 class BooguImageAttention(nn.Module):
@@ -84,8 +200,10 @@ class BooguImageAttention(nn.Module):
             [nn.Linear(num_attention_heads * self.head_dim, dim, bias=False), nn.Dropout(0.0)]
         )
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-        # x: (N, L, D); key_mask: (N, L) bool; rotary: (N, L, d/2, 2) float64 -> (N, L, D)
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor | AttentionPlan, rotary: torch.Tensor
+    ) -> torch.Tensor:
+        # x: (N, L, D); key_mask: a plan or (N, L) bool; rotary: (N, L, d/2, 2) -> (N, L, D)
         out = _multi_head_attention(self, self.to_q(x), self.to_k(x), self.to_v(x), rotary, key_mask)
         return self.to_out[1](self.to_out[0](out))
 
@@ -152,7 +270,9 @@ class BooguImageDoubleStreamAttention(nn.Module):
         )
         joint_qkv = packing.merge(ins_qkv, img_qkv)  # (B, S, q + 2·kv)
         query, key, value = joint_qkv.split([q_width, kv_width, kv_width], dim=-1)
-        joint = _multi_head_attention(self, query, key, value, joint_rotary, packing.mask)  # (B, S, H·d)
+        # The packing carries the joint stage's plan when the model built one (eager), else its mask.
+        key_mask = packing.mask if packing.plan is None else packing.plan
+        joint = _multi_head_attention(self, query, key, value, joint_rotary, key_mask)  # (B, S, H·d)
         ins_part, img_part = packing.split(joint)
         # The shared to_out.0 is per token, so applying it to each stream equals applying it to the
         # re-joined sequence as upstream does; padded slots stay exactly zero (no biases).

@@ -24,7 +24,15 @@ import torch.nn.functional as F
 
 from .rope import grid_positions, text_positions
 
-__all__ = ["StreamPacking", "TokenLayout", "pad_sequences", "patchify", "unpatchify"]
+__all__ = [
+    "StreamPacking",
+    "TokenLayout",
+    "host_to_device",
+    "length_mask",
+    "pad_sequences",
+    "patchify",
+    "unpatchify",
+]
 
 
 def patchify(latent: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -47,6 +55,28 @@ def unpatchify(tokens: torch.Tensor, rows: int, cols: int, patch_size: int) -> t
     return grid.permute(4, 0, 2, 1, 3).reshape(channels, rows * patch_size, cols * patch_size)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a small host tensor (indices, masks) to ``device`` without blocking the host.
+
+    On CUDA it is copied from pinned memory with ``non_blocking=True`` (the caching host allocator
+    keeps the buffer alive until the copy is done); other devices get a plain ``to``. The
+    forward builds its index and mask tensors this way or from ``arange`` and Python ints, never
+    with ``torch.tensor(list, device=cuda)`` (a synchronous copy).
+    """
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=device.type != "cpu")
+
+
+def length_mask(lengths: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """(N, width) bool, row n True on its first ``lengths[n]`` slots; built on the host, then moved."""
+    mask = torch.arange(width)[None, :] < torch.tensor(list(lengths), dtype=torch.long)[:, None]
+    return host_to_device(mask, device)
+
+
 def pad_sequences(
     sequences: Sequence[torch.Tensor], width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +90,7 @@ def pad_sequences(
     if padded.shape[1] < width:
         extra = [0, 0] * (padded.ndim - 2) + [0, width - padded.shape[1]]
         padded = F.pad(padded, extra)
-    device = sequences[0].device
-    mask = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-    return padded, mask
+    return padded, length_mask(lengths, width, sequences[0].device)
 
 
 def _take_rows(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -77,11 +105,12 @@ def _take_rows(x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor) -> torc
 class StreamPacking:
     """Per-sample concatenation of two right-padded streams with their padding squeezed out.
 
-    ``merge(a, b)`` with a: (B, La, *F) holding ``first_lengths[b]`` valid rows and b: (B, Lb, *F)
-    holding ``second_lengths[b]`` valid rows gives (B, S, *F) with row b =
-    ``[a[b, :la_b] ; b[b, :lb_b] ; zeros]`` and ``S = max(la_b + lb_b)``. ``split`` is its
-    inverse and returns zero-padded (B, La, *F) and (B, Lb, *F) tensors. Index tensors are built
-    once per forward; both directions are single gathers, so they stay cheap inside every block.
+        ``merge(a, b)`` with a: (B, La, *F) holding ``first_lengths[b]`` valid rows and b: (B, Lb, *F)
+        holding ``second_lengths[b]`` valid rows gives (B, S, *F) with row b =
+        ``[a[b, :la_b] ; b[b, :lb_b] ; zeros]`` and ``S = width`` (default ``max(la_b + lb_b)``; the
+    regional-compile bucket rounds it up). ``split`` is its
+        inverse and returns zero-padded (B, La, *F) and (B, Lb, *F) tensors. Index tensors are built
+        once per forward; both directions are single gathers, so they stay cheap inside every block.
     """
 
     def __init__(
@@ -91,24 +120,41 @@ class StreamPacking:
         second_lengths: Sequence[int],
         second_width: int,
         device: torch.device,
+        width: int | None = None,
     ) -> None:
         if max(first_lengths) > first_width or max(second_lengths) > second_width:
             raise ValueError("stream lengths exceed the padded widths")
         self.first_width, self.second_width = first_width, second_width
-        la = torch.tensor(list(first_lengths), device=device)[:, None]  # (B, 1)
-        lb = torch.tensor(list(second_lengths), device=device)[:, None]
         self.lengths = [a + b for a, b in zip(first_lengths, second_lengths, strict=True)]
-        s = torch.arange(max(self.lengths), device=device)[None, :]  # (1, S)
-        self.mask = s < la + lb  # (B, S) valid joint slots
+        self.width = max(self.lengths) if width is None else width
+        if self.width < max(self.lengths):
+            raise ValueError(f"joint width {self.width} is below the longest joint row {max(self.lengths)}")
+        # Index tensors are built on the host and moved once (no blocking copy, no device read).
+        la = torch.tensor(list(first_lengths), dtype=torch.long)[:, None]  # (B, 1)
+        lb = torch.tensor(list(second_lengths), dtype=torch.long)[:, None]
+        s = torch.arange(self.width)[None, :]  # (1, S)
+        mask = s < la + lb  # (B, S) valid joint slots
         # Index into cat([a, b], dim=1): first-stream rows, then second-stream rows after La.
-        merge_index = torch.where(s < la, s, first_width + s - la)
-        self._merge_index = torch.where(self.mask, merge_index, 0)
-        t = torch.arange(first_width, device=device)[None, :]
-        self._first_keep = t < la
-        self._first_index = torch.where(self._first_keep, t, 0)
-        u = torch.arange(second_width, device=device)[None, :]
-        self._second_keep = u < lb
-        self._second_index = torch.where(self._second_keep, la + u, 0)
+        merge_index = torch.where(mask, torch.where(s < la, s, first_width + s - la), 0)
+        t = torch.arange(first_width)[None, :]
+        first_keep = t < la
+        u = torch.arange(second_width)[None, :]
+        second_keep = u < lb
+        moved = [
+            host_to_device(x, device)
+            for x in (
+                mask,
+                merge_index,
+                first_keep,
+                torch.where(first_keep, t, 0),
+                second_keep,
+                torch.where(second_keep, la + u, 0),
+            )
+        ]
+        self.mask, self._merge_index, self._first_keep, self._first_index = moved[:4]
+        self._second_keep, self._second_index = moved[4:]
+        self.plan = None
+        """The joint stage's ``AttentionPlan`` when the model set one; None = masked attention."""
 
     def merge(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         """(B, La, *F), (B, Lb, *F) -> (B, S, *F) joint rows ``[first valid ; second valid]``."""

@@ -5,9 +5,10 @@ Two halves:
 * :func:`get_freqs_cis` builds the per-axis tables in upstream's public form (a list of complex128
   ``[axes_lens[k], axes_dim[k] / 2]`` tensors). Pipelines compute it once and pass it to
   ``forward``, exactly as with upstream's class.
-* Inside the model the tables are used in *real* float64 form: a rotary tensor is
-  ``(..., head_dim / 2, 2)`` float64 holding ``(cos θ, sin θ)`` per rotated pair. Applying it in
-  float64 reproduces upstream's complex128 product (§6.3: bit-exact in bf16).
+* Inside the model the tables are used in *real* form: a rotary tensor is
+  ``(..., head_dim / 2, 2)`` holding ``(cos θ, sin θ)`` per rotated pair, looked up in float64 and
+  rounded once to ``rotary_dtype`` (float32 for bf16 / fp32 models, float64 for float64 models).
+  The model caches the tables per device and the per-stage rotary tensors per token layout.
 
 Positions (§6.2), per sample with ``Lc`` valid instruction tokens:
 text token k -> (k, k, k); reference j with token grid (h_j, w_j) -> (s_j, r, c) with
@@ -23,7 +24,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["RotaryTables", "apply_rotary", "get_freqs_cis", "grid_positions", "text_positions"]
+__all__ = [
+    "RotaryTables",
+    "apply_rotary",
+    "get_freqs_cis",
+    "grid_positions",
+    "rotary_dtype",
+    "text_positions",
+]
 
 
 def get_freqs_cis(
@@ -63,10 +71,11 @@ def grid_positions(shift: int, rows: int, cols: int, device: torch.device) -> to
 
 
 class RotaryTables:
-    """The per-axis tables of one forward call in real float64 form, with bounds checks.
+    """The per-axis tables in real float64 form on one device, with bounds checks.
 
     ``freqs_cis`` is upstream's list of complex tables (see :func:`get_freqs_cis`). ``lookup``
     turns int64 positions ``(..., 3)`` into a rotary tensor ``(..., head_dim / 2, 2)`` float64.
+    The model builds one per (``freqs_cis`` tensors, device) and caches it (``tables_for``).
     """
 
     def __init__(self, freqs_cis: Sequence[torch.Tensor], head_dim: int, device: torch.device) -> None:
@@ -104,14 +113,47 @@ class RotaryTables:
         return torch.cat([table[positions[..., axis]] for axis, table in enumerate(self.tables)], dim=-2)
 
 
-def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of every head in float64 (§6.3).
+def rotary_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype RoPE is applied in for activations of ``dtype``.
 
-    x: (N, L, H, d); rotary: (N, L, d/2, 2) float64. Returns float64 (N, L, H, d); the caller
-    casts once, as upstream does after its complex128 product.
+    float32 for 16-bit models (bf16 / fp16, the GPU product path): one fused float32 multiply
+    instead of float64 arithmetic, which moves a few bf16 q/k elements per 10^5 by one ulp.
+    float64 for fp32 and float64 models: upstream's complex128 product rounded once (§6.3), so
+    fp32 results stay bit-identical to upstream's (``tests/adapters/test_tiny_upstream.py``).
     """
-    pairs = x.to(torch.float64).unflatten(-1, (-1, 2))  # (N, L, H, d/2, 2)
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+
+
+def _rotate_real(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """Real-arithmetic form of the rotation (what inductor fuses into one kernel)."""
+    pairs = x.unflatten(-1, (-1, 2))  # (N, L, H, d/2, 2)
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     cos, sin = rotary[:, :, None, :, 0], rotary[:, :, None, :, 1]  # (N, L, 1, d/2)
-    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
-    return rotated.flatten(-2)
+    return torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of every head (§6.3).
+
+    x: (N, L, H, d); rotary: (N, L, d/2, 2) real ``(cos θ, sin θ)``. The product is taken in
+    ``rotary_dtype(x.dtype)`` (a rotary of another dtype is cast first) and returned in that dtype;
+    the caller casts once, as upstream does after its complex product.
+
+    Eager runs one complex multiply (``x_pair · e^{iθ}``: a cast and one elementwise kernel,
+    bit-identical on CPU to the real formula ``(e·c − o·s, e·s + o·c)``); under ``torch.compile``
+    the real formula is traced instead, which inductor fuses (it does not lower complex ops).
+    """
+    dtype = rotary_dtype(x.dtype)
+    x = x.to(dtype)
+    rotary = rotary.to(dtype)
+    if torch.compiler.is_compiling():
+        return _rotate_real(x, rotary)
+    product = _as_complex(x.unflatten(-1, (-1, 2))) * _as_complex(rotary)[:, :, None]
+    return torch.view_as_real(product).flatten(-2)
+
+
+def _as_complex(pairs: torch.Tensor) -> torch.Tensor:
+    """``view_as_complex`` of a (..., 2) real tensor, copying only if its strides forbid the view."""
+    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()
+    return torch.view_as_complex(pairs)

@@ -24,10 +24,12 @@ double-stream blocks over (image stream ``[refs ; target]``, instruction stream)
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -35,6 +37,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import USE_PEFT_BACKEND, logging, scale_lora_layers, unscale_lora_layers
 from torch import nn
 
+from .attention import AttentionPlan
 from .blocks import (
     BooguImageContextRefinerTransformerBlock,
     BooguImageDoubleStreamTransformerBlock,
@@ -43,8 +46,16 @@ from .blocks import (
     BooguImageSingleStreamTransformerBlock,
 )
 from .layers import CombinedTimestepCaptionEmbedding, ContinuousLayerNormOut
-from .layout import StreamPacking, TokenLayout, pad_sequences, patchify, unpatchify
-from .rope import RotaryTables, get_freqs_cis
+from .layout import (
+    StreamPacking,
+    TokenLayout,
+    host_to_device,
+    length_mask,
+    pad_sequences,
+    patchify,
+    unpatchify,
+)
+from .rope import RotaryTables, get_freqs_cis, rotary_dtype
 
 __all__ = ["BooguImageTransformer2DModel"]
 
@@ -54,6 +65,15 @@ logger = logging.get_logger(__name__)
 ROPE_THETA = 10000
 # Rows of image_index_embedding: at most this many reference images per sample (§2.3).
 MAX_REFERENCE_IMAGES = 5
+# Per-layout rotary tensors kept (LRU): the layout of a rollout recurs on every denoising step
+# and in the training recomputation; a few prompt groups in flight fit.
+ROTARY_CACHE_SIZE = 8
+_TABLES_CACHE_SIZE = 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
 
 LatentInput = torch.Tensor | Sequence[torch.Tensor]
 """Latents as a (B, C, H, W) tensor or a list of (C, H_b, W_b) tensors (sizes may differ)."""
@@ -216,6 +236,16 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.image_index_embedding = nn.Parameter(torch.empty(MAX_REFERENCE_IMAGES, hidden_size))
         self.gradient_checkpointing = False
         self._reset_top_level_parameters()
+        self._init_fast_path_state()
+
+    def _init_fast_path_state(self) -> None:
+        """Host-side caches and regional-compile state (not parameters, not in the state dict)."""
+        self._tables_cache: OrderedDict[Any, tuple[Any, RotaryTables]] = OrderedDict()
+        self._rotary_cache: OrderedDict[Any, tuple[RotaryTables, dict[str, Any]]] = OrderedDict()
+        self._compile_bucket: int | None = None
+        self._compiled_stages: frozenset[str] = frozenset()
+        self.last_layout: TokenLayout | None = None
+        """Host-side layout of the most recent forward (segment sizes; for FLOP accounting)."""
 
     def _reset_top_level_parameters(self) -> None:
         """Upstream's init of the non-block parameters (§2.5); blocks initialise themselves.
@@ -281,25 +311,55 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         return features
 
     def _text_lengths(
-        self, mask: torch.Tensor | None, batch: int, width: int, device: torch.device
+        self,
+        mask: torch.Tensor | None,
+        batch: int,
+        width: int,
+        instruction_lengths: Sequence[int] | None = None,
     ) -> list[int]:
-        """Valid instruction tokens per sample; the mask must be right-padded (§5.1)."""
-        if mask is None:
-            return [width] * batch
-        if tuple(mask.shape) != (batch, width):
+        """Valid instruction tokens per sample; the mask must be right-padded (§5.1).
+
+        Given ``instruction_lengths`` (host ints) the lengths are taken from it and a mask on a
+        device is trusted, never read back (no device-to-host sync); a CPU mask is still checked
+        against it. Without them the mask is read once (one sync on a GPU).
+        """
+        if mask is not None and tuple(mask.shape) != (batch, width):
             raise ValueError(
                 f"instruction_attention_mask must be (B, L) = {(batch, width)}, got {tuple(mask.shape)}"
             )
-        valid = mask.to(device=device, dtype=torch.bool)
-        lengths = valid.sum(dim=1)
+        if instruction_lengths is not None:
+            lengths = [int(n) for n in instruction_lengths]
+            if len(lengths) != batch or any(n < 0 or n > width for n in lengths):
+                raise ValueError(
+                    f"instruction_lengths must hold {batch} ints in [0, {width}], got {list(instruction_lengths)}"
+                )
+            if (
+                mask is not None
+                and mask.device.type == "cpu"
+                and not torch.equal(mask.to(torch.bool), length_mask(lengths, width, mask.device))
+            ):
+                raise ValueError(
+                    f"instruction_lengths={lengths} do not match instruction_attention_mask (which must be "
+                    "right-padded: each row's valid (1) tokens first, then only padding (0))"
+                )
+            return lengths
+        if mask is None:
+            return [width] * batch
+        valid = mask.to(torch.bool)
+        counts = valid.sum(dim=1)
+        right_padded = (valid == (torch.arange(width, device=valid.device)[None, :] < counts[:, None])).all(
+            dim=1
+        )
+        # One host read for both (a single sync on a GPU; pass instruction_lengths to avoid it).
+        counts_host, ok_host = torch.stack([counts, right_padded.to(counts.dtype)]).tolist()
         # Upstream silently assumes right padding (valid tokens first); a left-padded mask would
         # give wrong text positions and keep padding in the joint sequence. Refuse it instead.
-        if not torch.equal(valid, torch.arange(width, device=device)[None, :] < lengths[:, None]):
+        if not all(ok_host):
             raise ValueError(
                 "instruction_attention_mask must be right-padded: each row's valid (1) tokens must "
                 "come first, followed only by padding (0)"
             )
-        return lengths.tolist()
+        return [int(n) for n in counts_host]
 
     def _collect_images(
         self,
@@ -346,12 +406,120 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
     def _timestep(self, timestep: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
         """(B,) Boogu times; a scalar or a single value is broadcast to the batch."""
-        timestep = torch.as_tensor(timestep, device=device)
+        if not isinstance(timestep, torch.Tensor):
+            timestep = torch.as_tensor(timestep)
+        timestep = host_to_device(timestep, device)
         if timestep.ndim == 0 or tuple(timestep.shape) == (1,):
             return timestep.reshape(1).expand(batch)
         if tuple(timestep.shape) != (batch,):
             raise ValueError(f"timestep must be (B,) = ({batch},), got {tuple(timestep.shape)}")
         return timestep
+
+    # ------------------------------------------------------------------ fast-path state
+
+    def _rotary_tables(self, freqs_cis: Sequence[torch.Tensor] | None, device: torch.device) -> RotaryTables:
+        """Real float64 tables of ``freqs_cis`` on ``device``, built once per (tensors, device)."""
+        if freqs_cis is None:
+            key: Any = ("default", device)
+        else:
+            freqs_cis = tuple(freqs_cis)
+            key = (tuple(id(t) for t in freqs_cis), tuple(t._version for t in freqs_cis), device)
+        hit = self._tables_cache.get(key)
+        if hit is not None:
+            self._tables_cache.move_to_end(key)
+            return hit[1]
+        if freqs_cis is None:
+            config = self.config
+            freqs_cis = tuple(get_freqs_cis(config.axes_dim_rope, config.axes_lens, ROPE_THETA))
+        tables = RotaryTables(freqs_cis, self.head_dim, device)
+        # The entry keeps the freqs tensors alive, so their ids in the key cannot be reused.
+        self._tables_cache[key] = (freqs_cis, tables)
+        while len(self._tables_cache) > _TABLES_CACHE_SIZE:
+            self._tables_cache.popitem(last=False)
+        return tables
+
+    def _stage_rotary(
+        self, tables: RotaryTables, layout: TokenLayout, text_width: int, joint_width: int, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor | None]:
+        """Rotary tensors of every stage for ``layout`` (§6.2), cached per layout signature (LRU).
+
+        Keys ``text`` (B, text_width), ``target`` (B, Tmax), ``references`` (R, Rmax) or None,
+        ``image`` (B, Imax) and ``joint`` (B, joint_width), each ``(..., d/2, 2)`` in
+        ``rotary_dtype(dtype)``. Positions are built on the host, moved without a blocking copy
+        and looked up in the float64 tables; each value is rounded once to the compute dtype.
+        """
+        signature = (
+            tuple(layout.text_lengths),
+            tuple(layout.target_grids),
+            tuple(tuple(grids) for grids in layout.reference_grids),
+        )
+        key = (id(tables), signature, text_width, joint_width, rotary_dtype(dtype))
+        hit = self._rotary_cache.get(key)
+        if hit is not None and hit[0] is tables:
+            self._rotary_cache.move_to_end(key)
+            return hit[1]
+        tables.check_range(layout.max_positions())
+        device = tables.tables[0].device
+        compute = rotary_dtype(dtype)
+        positions = layout.segment_positions(torch.device("cpu"))  # per sample [text, refs..., target]
+
+        def lookup(rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+            padded = pad_sequences(rows, width)[0]  # host (N, W, 3); padded slots (0, 0, 0) = identity
+            return tables.lookup(host_to_device(padded, device)).to(compute)
+
+        ref_rows = [pos for segs in positions for pos in segs[1:-1]]
+        rotary = {
+            "text": lookup([seg[0] for seg in positions], text_width),
+            "target": lookup([seg[-1] for seg in positions]),
+            "references": lookup(ref_rows) if ref_rows else None,
+            "image": lookup([torch.cat(seg[1:]) for seg in positions]),
+            "joint": lookup([torch.cat(seg) for seg in positions], joint_width),
+        }
+        self._rotary_cache[key] = (tables, rotary)
+        while len(self._rotary_cache) > ROTARY_CACHE_SIZE:
+            self._rotary_cache.popitem(last=False)
+        return rotary
+
+    def _stage_key_mask(self, stage: str, plan: AttentionPlan) -> AttentionPlan | torch.Tensor:
+        """What a stage's blocks get: the plan (eager) or its mask tensor (compiled blocks)."""
+        return plan.mask if stage in self._compiled_stages else plan
+
+    # ------------------------------------------------------------------ regional compile
+
+    def enable_regional_compile(
+        self, bucket: int = 64, *, include_double_stream: bool = True, **compile_kwargs: Any
+    ) -> None:
+        """``torch.compile`` every repeated block in place, and bucket the sequence widths.
+
+        Each block instance of ``_repeated_blocks`` (context refiner, single-stream) - and of the
+        double-stream blocks unless ``include_double_stream=False`` - is compiled with
+        ``block.compile(**compile_kwargs)``: module names, state-dict and LoRA keys are unchanged
+        (no ``OptimizedModule`` wrapper), and the instances of one class share one graph. The
+        padded instruction width and the joint width are rounded up to multiples of ``bucket``,
+        and compiled blocks take the masked attention path (masks are tensor inputs), so a new
+        prompt length in the same bucket, or a new timestep, reuses the graphs. The noise and
+        reference refiners stay eager. Calling it again re-compiles with the new arguments; it
+        composes with gradient checkpointing and peft LoRA layers. Undo: ``disable_regional_compile``.
+        """
+        if bucket < 1:
+            raise ValueError(f"bucket must be a positive int, got {bucket}")
+        stages = {"context": self.context_refiner, "single": self.single_stream_layers}
+        if include_double_stream:
+            stages["double"] = self.double_stream_layers
+        self.disable_regional_compile()
+        for blocks in stages.values():
+            for block in blocks:
+                block.compile(**compile_kwargs)
+        self._compile_bucket = bucket
+        self._compiled_stages = frozenset(stages)
+
+    def disable_regional_compile(self) -> None:
+        """Back to eager blocks and unbucketed widths (a no-op when compile is off)."""
+        for blocks in (self.context_refiner, self.single_stream_layers, self.double_stream_layers):
+            for block in blocks:
+                block._compiled_call_impl = None
+        self._compile_bucket = None
+        self._compiled_stages = frozenset()
 
     # ------------------------------------------------------------------ forward
 
@@ -370,6 +538,8 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         ref_image_hidden_states: Sequence[Sequence[torch.Tensor] | None] | None = None,
         attention_kwargs: dict[str, Any] | None = None,
         return_dict: bool = False,
+        *,
+        instruction_lengths: Sequence[int] | None = None,
     ) -> torch.Tensor | list[torch.Tensor] | Transformer2DModelOutput:
         """Predict the Boogu velocity ``x0 - eps`` of the target latents.
 
@@ -389,6 +559,9 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             attention_kwargs: only ``"scale"`` is read: the LoRA scale (PEFT backend).
             return_dict: False (default, as upstream) returns the bare tensor or list - not a
                 tuple; True wraps it in ``Transformer2DModelOutput(sample=...)``.
+            instruction_lengths: keyword-only, ours: the valid tokens per sample as host ints
+                (``mask.sum(1)``). Given, the mask on a GPU is never read back, and a forward
+                makes no device-to-host sync; a CPU mask is checked against it (ValueError).
 
         Returns:
             The velocity of the target only, (B, C_out, H, W) for tensor input, else a list of
@@ -410,6 +583,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                 freqs_cis,
                 instruction_attention_mask,
                 ref_image_hidden_states,
+                instruction_lengths,
             )
         finally:
             if USE_PEFT_BACKEND:
@@ -426,6 +600,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         freqs_cis: Sequence[torch.Tensor] | None,
         instruction_attention_mask: torch.Tensor | None,
         ref_image_hidden_states: Sequence[Sequence[torch.Tensor] | None] | None,
+        instruction_lengths: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         config = self.config
         p = config.patch_size
@@ -438,41 +613,48 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             raise ValueError(f"instruction_hidden_states has batch {instruct.shape[0]}, the latents {batch}")
         text_width = instruct.shape[1]
         layout = TokenLayout(
-            text_lengths=self._text_lengths(instruction_attention_mask, batch, text_width, device),
+            text_lengths=self._text_lengths(
+                instruction_attention_mask, batch, text_width, instruction_lengths
+            ),
             target_grids=[(t.shape[1] // p, t.shape[2] // p) for t in targets],
             reference_grids=[[(r.shape[1] // p, r.shape[2] // p) for r in refs] for refs in references],
         )
+        self.last_layout = layout
+        bucket = self._compile_bucket
+        if bucket is not None and text_width % bucket:
+            # Regional compile: a bucketed width keeps shapes fixed across prompt lengths. The
+            # extra slots are padding like any other (masked, then squeezed out by the packing).
+            instruct = F.pad(instruct, (0, 0, 0, _round_up(text_width, bucket) - text_width))
+            text_width = instruct.shape[1]
         temb, instruct = self.time_caption_embed(self._timestep(timestep, batch, device), instruct, dtype)
         # temb: (B, T); instruct: (B, L, D)
 
-        # 3-4. Rotary tensors of every stage from one position assignment (§6.2).
-        if freqs_cis is None:
-            freqs_cis = get_freqs_cis(config.axes_dim_rope, config.axes_lens, ROPE_THETA)
-        tables = RotaryTables(freqs_cis, self.head_dim, device)
-        tables.check_range(layout.max_positions())
-        positions = layout.segment_positions(device)  # per sample [text, ref_1..ref_K, target]
-        text_rotary = tables.lookup(pad_sequences([seg[0] for seg in positions], text_width)[0])
-        target_rotary = tables.lookup(pad_sequences([seg[-1] for seg in positions])[0])
-        image_rotary = tables.lookup(pad_sequences([torch.cat(seg[1:]) for seg in positions])[0])
-        joint_rotary = tables.lookup(pad_sequences([torch.cat(seg) for seg in positions])[0])
+        # 3-4. Rotary tensors of every stage from one position assignment (§6.2), cached per layout;
+        # attention plans of every stage from the host-side lengths.
+        joint_width = max(layout.joint_lengths)
+        if bucket is not None:
+            joint_width = _round_up(joint_width, bucket)
+        tables = self._rotary_tables(freqs_cis, device)
+        rotary = self._stage_rotary(tables, layout, text_width, joint_width, dtype)
         # Padded slots hold position (0, 0, 0), the identity rotation; they are masked anyway.
 
         # 5. Context refiner over the instruction tokens alone (no temb).
-        text_mask = (
-            torch.arange(text_width, device=device)[None, :]
-            < torch.tensor(layout.text_lengths, device=device)[:, None]
+        text_plan = AttentionPlan(
+            layout.text_lengths, text_width, device, masked="context" in self._compiled_stages
         )
+        text_key = self._stage_key_mask("context", text_plan)
         for block in self.context_refiner:
-            instruct = self._run_block(block, instruct, text_mask, text_rotary)
+            instruct = self._run_block(block, instruct, text_key, rotary["text"])
 
         # 6. Target tokens -> x_embedder -> noise refiner.
         target_tokens, target_mask = pad_sequences([patchify(t, p) for t in targets])  # (B, Tmax, P)
+        target_plan = AttentionPlan(layout.target_lengths, target_tokens.shape[1], device, target_mask)
         target = self.x_embedder(target_tokens)
         for block in self.noise_refiner:
-            target = self._run_block(block, target, target_mask, target_rotary, temb)
+            target = self._run_block(block, target, target_plan, rotary["target"], temb)
 
         # 6'. References: one row per image across the batch, each refined alone (§5.2 step 6).
-        refined_refs = self._embed_and_refine_references(references, positions, tables, temb)
+        refined_refs = self._embed_and_refine_references(references, layout, rotary["references"], temb)
 
         # Image stream per sample: [ref_1 ... ref_K ; target], valid tokens only.
         image_rows = []
@@ -480,21 +662,30 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             parts = [*refined_refs[b], target[b, : layout.target_lengths[b]]]
             image_rows.append(torch.cat(parts))
         image, image_mask = pad_sequences(image_rows)  # (B, Imax, D)
+        image_plan = AttentionPlan(
+            layout.image_lengths, image.shape[1], device, image_mask, masked="double" in self._compiled_stages
+        )
+        image_key = self._stage_key_mask("double", image_plan)
 
         # 7. Double-stream blocks. The packing joins [valid text ; image] per sample.
-        packing = StreamPacking(layout.text_lengths, text_width, layout.image_lengths, image.shape[1], device)
+        packing = StreamPacking(
+            layout.text_lengths, text_width, layout.image_lengths, image.shape[1], device, width=joint_width
+        )
+        joint_plan = AttentionPlan(packing.lengths, joint_width, device, packing.mask)
+        packing.plan = None if "double" in self._compiled_stages else joint_plan
         for block in self.double_stream_layers:
             image, instruct = self._run_block(
-                block, image, instruct, image_mask, image_rotary, packing, joint_rotary, temb
+                block, image, instruct, image_key, rotary["image"], packing, rotary["joint"], temb
             )
 
         # 8-9. Fuse into the joint sequence (instruction padding dropped) and run single-stream blocks.
-        joint = packing.merge(instruct, image)  # (B, Smax, D)
+        joint = packing.merge(instruct, image)  # (B, S, D)
+        joint_key = self._stage_key_mask("single", joint_plan)
         for block in self.single_stream_layers:
-            joint = self._run_block(block, joint, packing.mask, joint_rotary, temb)
+            joint = self._run_block(block, joint, joint_key, rotary["joint"], temb)
 
         # 10-11. Output head, then keep the target's tokens only: the last T_b valid ones.
-        joint = self.norm_out(joint, temb)  # (B, Smax, p·p·C_out)
+        joint = self.norm_out(joint, temb)  # (B, S, p·p·C_out)
         outputs = []
         for b, (rows, cols) in enumerate(layout.target_grids):
             end = layout.joint_lengths[b]
@@ -504,31 +695,32 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     def _embed_and_refine_references(
         self,
         references: list[list[torch.Tensor]],
-        positions: list[list[torch.Tensor]],
-        tables: RotaryTables,
+        layout: TokenLayout,
+        rotary: torch.Tensor | None,
         temb: torch.Tensor,
     ) -> list[list[torch.Tensor]]:
         """Embed and refine every reference image; returns, per sample, [(n_j, D)] refined tokens.
 
         All references of the batch form one temporary batch (one row per image, padded to the
-        longest). Row j of sample b gets ``image_index_embedding[j]`` (added after the patch
-        embedder, before the refiner), its own RoPE slice and sample b's temb: a reference
-        attends only to its own tokens and sees the target's timestep (§5.2 step 6).
+        longest; ``rotary`` is its (R, Rmax, d/2, 2) slice). Row j of sample b gets
+        ``image_index_embedding[j]`` (added after the patch embedder, before the refiner), its own
+        RoPE slice and sample b's temb: a reference attends only to its own tokens and sees the
+        target's timestep (§5.2 step 6). Lengths come from the grids, never from a device tensor.
         """
         p = self.config.patch_size
         owners = [b for b, refs in enumerate(references) for _ in refs]
         if not owners:
             return [[] for _ in references]
         slots = [j for refs in references for j in range(len(refs))]
+        lengths = [n for per_sample in layout.reference_lengths for n in per_sample]
         tokens, mask = pad_sequences([patchify(ref, p) for refs in references for ref in refs])
-        rotary = tables.lookup(pad_sequences([pos for segs in positions for pos in segs[1:-1]])[0])
+        plan = AttentionPlan(lengths, tokens.shape[1], tokens.device, mask)
         device = tokens.device
-        slot_index = torch.tensor(slots, device=device)
+        slot_index = host_to_device(torch.tensor(slots), device)
         hidden = self.ref_image_patch_embedder(tokens) + self.image_index_embedding[slot_index][:, None, :]
-        ref_temb = temb[torch.tensor(owners, device=device)]
+        ref_temb = temb[host_to_device(torch.tensor(owners), device)]
         for block in self.ref_image_refiner:
-            hidden = self._run_block(block, hidden, mask, rotary, ref_temb)
-        lengths = mask.sum(dim=1).tolist()
+            hidden = self._run_block(block, hidden, plan, rotary, ref_temb)
         result: list[list[torch.Tensor]] = [[] for _ in references]
         for row, owner in enumerate(owners):
             result[owner].append(hidden[row, : lengths[row]])

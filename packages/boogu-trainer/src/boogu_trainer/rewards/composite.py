@@ -93,12 +93,23 @@ class WeightedRewards:
     def weights(self) -> dict[str, float]:
         return {label: weight for label, weight, _ in self.terms}
 
-    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> RewardOutput:
+    def __call__(
+        self, images: torch.Tensor, records: Sequence[PromptRecord], *, micro_batch_size: int = 0
+    ) -> RewardOutput:
+        """Score ``images`` (B, 3, H, W) uint8; each reward sees at most ``micro_batch_size`` (0: all) at once."""
         batch_size = check_batch(images, records, "+".join(self.labels))
         per_reward: dict[str, torch.Tensor] = {}
         total = torch.zeros(batch_size, dtype=torch.float32)
+        size = micro_batch_size or batch_size
         for label, weight, reward in self.terms:
-            scores = scores_tensor(reward(images, records), batch_size, label)
+            scores = torch.cat(
+                [
+                    scores_tensor(
+                        reward(images[i : i + size], records[i : i + size]), min(size, batch_size - i), label
+                    )
+                    for i in range(0, batch_size, size)
+                ]
+            )
             bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
             if bad:
                 logger.warning(

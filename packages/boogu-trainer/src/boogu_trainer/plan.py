@@ -1,0 +1,528 @@
+"""Expected peak GPU memory of a recipe, before any weight is loaded (``trainer --plan RECIPE``).
+
+What is counted, per GPU (bytes of live tensors; the CUDA caching allocator reserves some more,
+hence the ``headroom`` fraction kept free when sizing micro-batches):
+
+* **weights**: transformer, text encoder (``mllm/``) and VAE, in ``model.dtype``; parameter counts
+  from each folder's ``config.json`` by building the model on ``torch.device("meta")``. With several
+  ranks and ``distributed.fsdp`` the transformer (base and LoRA) is sharded over the ranks.
+* **LoRA state** (float32): parameters, gradients, AdamW's two moments, and the EMA copy if enabled.
+* **transformer activations**, simulated: the real forward (and, for training, the LoRA
+  forward+backward, with or without gradient checkpointing) runs on the meta device under
+  :class:`LiveBytes`, a dispatch mode that books every tensor the ops create and frees it when its
+  storage dies. The attention is replaced by a stand-in with the fused kernels' memory (output and
+  a float32 log-sum-exp saved, no ``L x L`` matrix) - what CUDA's flash / memory-efficient SDPA
+  and the CPU flash kernel keep. Two batch sizes give ``fixed + per_sample · n``.
+* **text encoder and VAE decode working memory**: the encoder's per-layer hidden states (it is called
+  with ``output_hidden_states=True``) plus one layer's transients, estimated from its config; the VAE
+  decode of one latent simulated on meta like the transformer.
+
+The peak of a step is weights + LoRA state + the largest of the phases (rollout call, VAE decode,
+encoder call, training micro-batch). ``tests/trainer/test_perf_plan.py`` checks the simulated
+activations against the live bytes measured on CPU within 20%.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "LiveBytes",
+    "MemoryPlan",
+    "PhaseMemory",
+    "fused_attention_stand_in",
+    "plan_memory",
+    "transformer_activation_bytes",
+    "vae_decode_bytes",
+]
+
+GiB = 1024**3
+DEFAULT_TEXT_TOKENS = 256
+"""Instruction tokens assumed per prompt (chat template included) when a recipe does not say."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Live tensor bytes.
+
+
+class LiveBytes(TorchDispatchMode):
+    """Books the bytes of every storage created by an op inside the mode; ``peak`` is the maximum.
+
+    Tensors that exist before entering (parameters, inputs) are not counted. A storage is booked
+    once (views share it) and unbooked when it is freed. Works on real devices and on meta.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._seen: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Outputs that alias an input (views, in-place results) allocate nothing.
+        inputs = {
+            t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._book(t, inputs)
+        return out
+
+    def _book(self, t: torch.Tensor, inputs: set[int]) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._seen or key in inputs:
+            return
+        nbytes = storage.nbytes()
+        self._seen[key] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._seen.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shape-only SDPA with the fused kernels' memory: saves q, k, v, out and a float32 LSE."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _stand_in_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _FusedAttention.apply(query, key, value)
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+@contextlib.contextmanager
+def fused_attention_stand_in() -> Iterator[None]:
+    """Replace ``F.scaled_dot_product_attention`` with :func:`_stand_in_sdpa` (meta simulations)."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _stand_in_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+# ------------------------------------------------------------------------------------------------
+# Transformer activations.
+
+
+def _transformer_inputs(model: nn.Module, batch: int, text: int, grid: tuple[int, int], device, dtype):
+    from boogu_adapters.model import get_freqs_cis
+
+    cfg = model.config
+    p, channels = cfg.patch_size, cfg.in_channels
+    feat = model.preprocessed_instruction_feat_dim
+    latents = torch.zeros(batch, channels, grid[0] * p, grid[1] * p, device=device, dtype=dtype)
+    timestep = torch.zeros(batch, device=device, dtype=dtype)
+    instruct = torch.zeros(batch, text, feat, device=device, dtype=dtype)
+    freqs = get_freqs_cis(cfg.axes_dim_rope, cfg.axes_lens, 10000)
+    return latents, timestep, instruct, freqs
+
+
+def transformer_activation_bytes(
+    model: nn.Module,
+    *,
+    batch: int,
+    text_tokens: int,
+    target_grid: tuple[int, int],
+    train: bool,
+    stand_in_attention: bool | None = None,
+) -> int:
+    """Peak live bytes of one forward (``train=False``: under no_grad) or forward + backward.
+
+    ``model`` is a built ``BooguImageTransformer2DModel`` (meta or real) with any LoRA already
+    injected and gradient checkpointing set as wanted; its activations use the dtype of
+    ``x_embedder``. LoRA gradients are dropped as they are accumulated, so the result excludes
+    the persistent gradients (:class:`MemoryPlan` counts those apart). The attention stand-in is
+    used by default on meta only.
+    """
+    weight = model.x_embedder.weight
+    device, dtype = weight.device, weight.dtype
+    if stand_in_attention is None:
+        stand_in_attention = device.type == "meta"
+    inputs = _transformer_inputs(model, batch, text_tokens, target_grid, device, dtype)
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    ctx = fused_attention_stand_in() if stand_in_attention else contextlib.nullcontext()
+    try:
+        with ctx, torch.set_grad_enabled(train), LiveBytes() as live:
+            out = model(*inputs, None)
+            if train:
+                out.float().square().mean().backward()
+            del out
+        return live.peak
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _build_transformer(
+    config: dict[str, Any], dtype: torch.dtype, lora_rank: int, targets, checkpointing: bool
+):
+    from boogu_adapters.lora import add_lora, is_lora_param
+    from boogu_adapters.model import BooguImageTransformer2DModel
+
+    accepted = inspect.signature(BooguImageTransformer2DModel.__init__).parameters
+    keys = {k: v for k, v in config.items() if k in accepted and k != "self"}
+    with torch.device("meta"):
+        model = BooguImageTransformer2DModel(**keys)
+    nn.Module.to(model, dtype)  # ModelMixin.to would warn about keep-in-fp32 modules
+    model.requires_grad_(False)
+    if lora_rank:
+        add_lora(model, rank=lora_rank, target_modules=targets, init_lora_weights=True, seed=None)
+        for name, p in model.named_parameters():
+            if is_lora_param(name):
+                p.data = p.data.float()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Working memory of one phase: ``fixed + per_item · items`` bytes, at ``items`` per call."""
+
+    name: str
+    fixed: float
+    per_item: float
+    items: int
+    unit: str
+
+    @property
+    def bytes(self) -> float:
+        return self.fixed + self.per_item * self.items
+
+    def max_items(self, free_bytes: float) -> int:
+        if self.per_item <= 0:
+            return 0
+        return max(int((free_bytes - self.fixed) // self.per_item), 0)
+
+
+def _linear_fit(measure: Callable[[int], int], unit: int = 1) -> tuple[float, float]:
+    """(fixed, per-item) from measurements at 1 and 2 items (``unit`` sample-forwards per item)."""
+    one, two = measure(unit), measure(2 * unit)
+    per = max(two - one, 0)
+    return float(max(one - per, 0)), float(per)
+
+
+def vae_decode_bytes(
+    vae_config: dict[str, Any], height: int, width: int, dtype: torch.dtype
+) -> tuple[float, float]:
+    """(fixed, per image) live bytes of ``AutoencoderKL.decode`` at an output size, on meta."""
+    from diffusers import AutoencoderKL
+
+    keys = {k: v for k, v in vae_config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config(keys)
+    nn.Module.to(vae, dtype)
+    vae.requires_grad_(False)
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    channels = vae.config.latent_channels
+
+    def measure(n: int) -> int:
+        z = torch.zeros(n, channels, height // factor, width // factor, device="meta", dtype=dtype)
+        with fused_attention_stand_in(), torch.no_grad(), LiveBytes() as live:
+            out = vae.decode(z).sample
+            del out
+        return live.peak
+
+    return _linear_fit(measure)
+
+
+def _encoder_bytes(mllm_config: dict[str, Any], tokens: int, bytes_per: int) -> tuple[float, float]:
+    """(fixed, per prompt row): all hidden states kept plus one layer's transients (no LM head)."""
+    text = mllm_config.get("text_config", mllm_config)
+    hidden, inter = int(text["hidden_size"]), int(text["intermediate_size"])
+    layers = int(text["num_hidden_layers"])
+    heads = int(text.get("num_attention_heads", 1))
+    kv = int(text.get("num_key_value_heads", heads))
+    head_dim = int(text.get("head_dim", hidden // heads))
+    per_token = (layers + 1) * hidden + 3 * inter + 2 * hidden + (heads + 2 * kv) * head_dim
+    return 0.0, float(per_token * tokens * bytes_per)
+
+
+def _count_params(module: nn.Module) -> int:
+    return sum(math.prod(p.shape) for p in module.parameters())
+
+
+def _text_encoder_params(mllm_config: dict[str, Any]) -> int:
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    cfg = Qwen3VLConfig(**{k: v for k, v in mllm_config.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        model = Qwen3VLModel._from_config(cfg)
+    return _count_params(model)
+
+
+def _vae_params(vae_config: dict[str, Any]) -> int:
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config({k: v for k, v in vae_config.items() if not k.startswith("_")})
+    return _count_params(vae)
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclass
+class MemoryPlan:
+    """The expected peak memory of one rank, in bytes, and the micro-batches that fit."""
+
+    world_size: int
+    dtype: str
+    gradient_checkpointing: bool
+    static: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, PhaseMemory] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    gpu_memory: float | None = None
+    headroom: float = 0.1
+    train_without_checkpointing: PhaseMemory | None = None
+
+    @property
+    def static_total(self) -> float:
+        return sum(self.static.values())
+
+    @property
+    def peak(self) -> float:
+        return self.static_total + max((p.bytes for p in self.phases.values()), default=0.0)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases.values(), key=lambda p: p.bytes).name
+
+    def max_micro_batch(self, phase: str) -> int | None:
+        """The largest items per call of ``phase`` ('rollout' or 'train') fitting ``gpu_memory``."""
+        if self.gpu_memory is None or phase not in self.phases:
+            return None
+        free = self.gpu_memory * (1 - self.headroom) - self.static_total
+        return self.phases[phase].max_items(free)
+
+    def render(self) -> str:
+        def gib(x: float) -> str:
+            return f"{x / GiB:8.2f} GiB"
+
+        lines = [
+            f"memory plan per GPU: {self.world_size} rank(s), model.dtype={self.dtype}, "
+            f"gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}",
+            "  persistent:",
+        ]
+        lines += [f"    {k:34s} {gib(v)}" for k, v in self.static.items()]
+        lines.append(f"    {'total':34s} {gib(self.static_total)}")
+        lines.append("  working memory per phase (fixed + per item x items):")
+        phases = list(self.phases.values())
+        if self.train_without_checkpointing is not None:
+            phases.append(self.train_without_checkpointing)
+        for p in phases:
+            lines.append(
+                f"    {p.name:34s} {gib(p.bytes)}  ({p.fixed / GiB:.2f} + {p.per_item / GiB:.3f} x {p.items} {p.unit})"
+            )
+        lines.append(f"  expected peak: {gib(self.peak).strip()} (during {self.peak_phase})")
+        if self.gpu_memory is not None:
+            fits = self.peak <= self.gpu_memory * (1 - self.headroom)
+            lines.append(
+                f"  GPU memory {self.gpu_memory / GiB:.0f} GiB ({self.headroom:.0%} kept free): "
+                f"{'fits' if fits else 'DOES NOT FIT'}"
+            )
+            lines.append(
+                f"  largest rollout.micro_batch_size: {self.max_micro_batch('rollout')} latents; "
+                f"largest algorithm.train_micro_batch_size: {self.max_micro_batch('train')} samples"
+            )
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+RELEASED_VAE_CONFIG: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 16,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "act_fn": "silu",
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+"""The FLUX.1 VAE (the release's ``vae/``), used when the recipe's folder is not on this machine."""
+
+RELEASED_MLLM_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+    },
+    "vision_config": {"out_hidden_size": 4096, "deepstack_visual_indexes": [8, 16, 24]},
+}
+"""Qwen3-VL-8B-Instruct's sizes (the release's ``mllm/``), used when the folder is not here."""
+
+
+def _folder_configs(root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], str | None]:
+    """(transformer, vae, mllm) configs of a checkpoint folder, or the released ones with a note."""
+    files = [
+        root / "transformer" / "config.json",
+        root / "vae" / "config.json",
+        root / "mllm" / "config.json",
+    ]
+    if all(f.is_file() for f in files):
+        return _read(files[0]), _read(files[1]), _read(files[2]), None
+    from boogu_adapters.model import RELEASED_CONFIG
+
+    note = f"{root} has no transformer/, vae/ and mllm/ config.json here: the released configs are assumed"
+    return dict(RELEASED_CONFIG), dict(RELEASED_VAE_CONFIG), RELEASED_MLLM_CONFIG, note
+
+
+def plan_memory(
+    config: Any,
+    *,
+    world_size: int = 1,
+    gpu_memory_gb: float | None = None,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
+    device_type: str | None = None,
+    headroom: float = 0.1,
+) -> MemoryPlan:
+    """The memory plan of a :class:`~boogu_trainer.config.TrainerConfig` on ``world_size`` GPUs.
+
+    Reads only the checkpoint folders' ``config.json`` files (the tiny checkpoint is built first when
+    ``model.path`` is empty). ``device_type`` resolves ``model.dtype=auto`` (bfloat16 on cuda);
+    default: cpu when ``model.device`` is cpu, else cuda.
+    Rollout micro-batches count latents (x2 sample-forwards with CFG batched), training ones samples
+    (x2 with CFG).
+    """
+    from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
+    from boogu_trainer.config import resolved_model_dtype
+
+    m = config.model
+    if m.path:
+        root = Path(m.path).expanduser()
+    else:
+        from boogu_adapters.tiny import ensure_tiny_checkpoint
+
+        root = Path(ensure_tiny_checkpoint(Path(m.tiny_path).expanduser()))
+    if device_type is None:
+        device_type = "cpu" if m.device == "cpu" else "cuda"
+    dtype_name = resolved_model_dtype(m.dtype, device_type)
+    dtype = getattr(torch, dtype_name)
+    nbytes = torch.tensor([], dtype=dtype).element_size()
+    tcfg, vcfg, mcfg, folder_note = _folder_configs(root)
+    checkpointing = m.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = int(tcfg.get("hidden_size", 0)) >= 1024
+    shard = world_size if (world_size > 1 and config.distributed.fsdp) else 1
+
+    rank, targets = config.lora.rank, config.lora.target_modules
+    model = _build_transformer(tcfg, dtype, rank, targets, checkpointing)
+    from boogu_adapters.lora import is_lora_param
+
+    lora_params = sum(math.prod(p.shape) for n, p in model.named_parameters() if is_lora_param(n))
+    base_params = _count_params(model) - lora_params
+    plan = MemoryPlan(
+        world_size=world_size,
+        dtype=dtype_name,
+        gradient_checkpointing=bool(checkpointing),
+        gpu_memory=None if gpu_memory_gb is None else gpu_memory_gb * GiB,
+        headroom=headroom,
+    )
+    plan.static["transformer weights" + (f" (1/{shard})" if shard > 1 else "")] = base_params * nbytes / shard
+    plan.static["text encoder weights"] = _text_encoder_params(mcfg) * nbytes
+    plan.static["VAE weights"] = _vae_params(vcfg) * nbytes
+    lora_state = 4 + 4 + 8 + (4 if config.ema.enabled else 0)
+    plan.static[f"LoRA r={rank}: params+grads+AdamW" + ("+EMA" if config.ema.enabled else "")] = (
+        lora_params * lora_state / shard
+    )
+
+    s = config.sampler
+    p = int(tcfg.get("patch_size", 2))
+    grid = (s.height // 8 // p, s.width // 8 // p)
+    cfg_rows = 2 if s.guidance_scale > 1.0 and config.rollout.cfg_mode == "batched" else 1
+    per_rank = max(config.data.prompts_per_step * config.algorithm.group_size // world_size, 1)
+    rollout_items = config.rollout.micro_batch_size or per_rank
+    mini = max(per_rank // config.algorithm.mini_batches, 1)
+    train_items = config.algorithm.train_micro_batch_size or mini
+
+    def act(train: bool, mdl: nn.Module) -> Callable[[int], int]:
+        return lambda n: transformer_activation_bytes(
+            mdl, batch=n, text_tokens=text_tokens, target_grid=grid, train=train
+        )
+
+    fixed, per = _linear_fit(act(False, model), cfg_rows)
+    plan.phases["rollout"] = PhaseMemory("rollout", fixed, per, rollout_items, "latents per call")
+    fixed, per = _linear_fit(act(True, model), cfg_rows)
+    plan.phases["train"] = PhaseMemory(
+        "train",
+        fixed,
+        per,
+        train_items,
+        "samples per micro-batch" + (" (checkpointed)" if checkpointing else ""),
+    )
+    other = _build_transformer(tcfg, dtype, rank, targets, not checkpointing)
+    fixed, per = _linear_fit(act(True, other), cfg_rows)
+    plan.train_without_checkpointing = PhaseMemory(
+        f"train, checkpointing {'off' if checkpointing else 'on'} (not used)",
+        fixed,
+        per,
+        train_items,
+        "samples",
+    )
+    fixed, per = vae_decode_bytes(vcfg, s.height, s.width, dtype)
+    plan.phases["vae decode"] = PhaseMemory("vae decode", fixed, per, rollout_items, "images per decode")
+    fixed, per = _encoder_bytes(mcfg, text_tokens, nbytes)
+    prompts = max(config.data.prompts_per_step // world_size, 1) + 1
+    plan.phases["text encoder"] = PhaseMemory("text encoder", fixed, per, prompts, "prompt rows")
+    plan.notes.append(
+        f"{text_tokens} instruction tokens assumed per prompt; target {s.height}x{s.width} "
+        f"({grid[0] * grid[1]} tokens); CFG x{cfg_rows} sample-forwards per latent/sample"
+    )
+    if folder_note:
+        plan.notes.append(folder_note)
+    plan.notes.append(
+        "live tensor bytes; the CUDA caching allocator and NCCL buffers need some of the headroom"
+    )
+    return plan

@@ -1,0 +1,53 @@
+"""The benchmark scripts run: CPU smoke runs at toy sizes (their figures are for real machines)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(name: str, args: list[str], monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
+
+
+@pytest.mark.slow
+def test_gpu_path_smoke_on_cpu(tmp_path, monkeypatch):
+    out = tmp_path / "gpu_path.json"
+    run_script(
+        "gpu_path.py",
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--size",
+            "64",
+            "--text-tokens",
+            "16",
+            "--batch",
+            "1",
+            "--rank",
+            "4",
+            "--repeats",
+            "1",
+            "--cases",
+            "rollout,train,kernels",
+            "--json",
+            str(out),
+        ],
+        monkeypatch,
+    )
+    figures = json.loads(out.read_text())
+    assert figures["image_tokens"] == 16 and figures["sample_forwards_per_call"] == 2
+    assert set(figures["cases"]) == {"rollout", "train_bf16_lora"}  # fp32 case only for a bf16 model
+    assert all(0 < c["mfu"] and c["tflops_per_s"] > 0 for c in figures["cases"].values())
+    # every attention stage of the tiny model was seen; nothing is padded except the text stages
+    calls = figures["sdpa_calls"]
+    assert sum(calls.values()) >= 5 and all("gqa=True" in k or "mask=yes" in k for k in calls)

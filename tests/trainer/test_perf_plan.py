@@ -1,0 +1,160 @@
+"""perf.py (peak TFLOPs, the FLOP meter) and plan.py (the memory plan) on CPU.
+
+The plan's transformer activations are simulated on the meta device; here they are checked against
+the live tensor bytes measured (same tracker, real CPU kernels) on the mid-size model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from boogu_adapters.lora import adapters_disabled, add_lora, is_lora_param
+from boogu_adapters.model import (
+    LORA_TARGET_MODULES,
+    TINY_CONFIG,
+    BooguImageTransformer2DModel,
+    get_freqs_cis,
+    randomize_parameters,
+)
+from boogu_adapters.model.flops import FlopModel
+from boogu_trainer import perf
+from boogu_trainer.config import demo_config
+from boogu_trainer.perf import FlopMeter, lookup_gpu_peak, peak_tflops, step_perf
+from boogu_trainer.plan import LiveBytes, _build_transformer, plan_memory, transformer_activation_bytes
+
+MID_CONFIG = {
+    **TINY_CONFIG,
+    "hidden_size": 256,
+    "num_layers": 8,
+    "num_double_stream_layers": 4,
+    "axes_dim_rope": (16, 24, 24),
+    "instruction_feature_configs": {**TINY_CONFIG["instruction_feature_configs"], "instruction_feat_dim": 64},
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+        ("NVIDIA H200", torch.bfloat16, 989.4),
+        ("NVIDIA H20", torch.bfloat16, 148.0),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, 156.0),
+        ("NVIDIA L40S", torch.float16, 362.1),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165.2),
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4),
+        ("NVIDIA B200", torch.bfloat16, 2250.0),
+    ],
+)
+def test_gpu_peak_table(name, dtype, expected):
+    _, peak = lookup_gpu_peak(name)
+    assert peak.for_dtype(dtype, tf32_enabled=True) == expected
+    assert lookup_gpu_peak("Some Future Accelerator") is None
+
+
+def test_cpu_peak_is_measured_once_and_override_wins():
+    perf._MEASURED.clear()
+    start = time.perf_counter()
+    first = peak_tflops(torch.device("cpu"), torch.float32)
+    assert time.perf_counter() - start < 0.5 and first > 0
+    start = time.perf_counter()
+    assert peak_tflops(torch.device("cpu"), torch.float32) == first
+    assert time.perf_counter() - start < 0.01
+    assert peak_tflops(torch.device("cpu"), torch.float32, 123.0) == 123.0
+
+
+def _inputs(model, batch, text, grid):
+    p = model.config.patch_size
+    latents = torch.randn(batch, model.config.in_channels, grid[0] * p, grid[1] * p)
+    instruct = torch.randn(batch, text, model.preprocessed_instruction_feat_dim)
+    mask = torch.ones(batch, text, dtype=torch.bool)
+    mask[1:, text - 2 :] = False  # sample 1 has 2 padded instruction tokens
+    freqs = get_freqs_cis(model.config.axes_dim_rope, model.config.axes_lens, 10000)
+    return latents, torch.rand(batch), instruct, freqs, mask
+
+
+def test_flop_meter_books_rollout_and_training_forwards():
+    model = randomize_parameters(BooguImageTransformer2DModel(**TINY_CONFIG), 0)
+    model.requires_grad_(False)
+    add_lora(model, rank=4)
+    model.enable_gradient_checkpointing()
+    meter = FlopMeter(model)
+    args = _inputs(model, 2, 6, (4, 4))
+    with torch.no_grad():
+        model(*args)
+    model(*args).square().mean().backward()
+    taken = meter.take()
+    layout = model.last_layout if getattr(model, "last_layout", None) is not None else None
+    layout = layout or meter._layout_from_inputs(model, args, {})
+    assert layout.text_lengths == [6, 4]
+    flops = FlopModel(model.config, model)
+    rollout = flops.forward(layout).total / 1e12
+    train = flops.training(layout, gradient_checkpointing=True).total / 1e12
+    assert taken["perf/tflops_rollout"] == pytest.approx(rollout)
+    assert taken["perf/tflops_train"] == pytest.approx(train)
+    assert taken["perf/tflops"] == pytest.approx(rollout + train)
+    assert taken["perf/sample_forwards"] == 4
+    assert meter.take()["perf/tflops"] == 0  # reset
+    with torch.no_grad(), adapters_disabled(model):
+        model(*args)
+    assert meter.take()["perf/tflops_rollout"] == pytest.approx(
+        FlopModel(model.config).forward(layout).total / 1e12
+    )
+    meter.close()
+    with torch.no_grad():
+        model(*args)
+    assert meter.take()["perf/tflops"] == 0
+    record = step_perf({"perf/tflops": 10.0}, 2.0, images=4, peak=20.0)
+    assert record["perf/mfu"] == pytest.approx(0.25) and record["perf/tflops_per_image"] == 2.5
+
+
+def _measured(config, *, rank, checkpointing, batch, grid, train):
+    model = _build_transformer(config, torch.float32, rank, LORA_TARGET_MODULES, checkpointing)
+    model = model.to_empty(device="cpu")
+    randomize_parameters(model, 0)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_lora_param(name))
+    return transformer_activation_bytes(model, batch=batch, text_tokens=24, target_grid=grid, train=train)
+
+
+@pytest.mark.parametrize("grid", [(16, 16), (24, 24)], ids=["256-tokens", "576-tokens"])
+@pytest.mark.parametrize(
+    ("train", "checkpointing"),
+    [(False, False), (True, False), (True, True)],
+    ids=["no-grad", "train", "train-gc"],
+)
+def test_simulated_activations_match_measured_on_cpu(grid, train, checkpointing):
+    meta = _build_transformer(MID_CONFIG, torch.float32, 8, LORA_TARGET_MODULES, checkpointing)
+    simulated = transformer_activation_bytes(meta, batch=2, text_tokens=24, target_grid=grid, train=train)
+    measured = _measured(MID_CONFIG, rank=8, checkpointing=checkpointing, batch=2, grid=grid, train=train)
+    assert simulated == pytest.approx(measured, rel=0.2)
+
+
+def test_live_bytes_books_new_storages_only():
+    x = torch.zeros(1000)
+    with LiveBytes() as live:
+        view = x.view(10, 100)  # an alias: nothing allocated
+        y = torch.ones(500)
+        assert live.current == 2000
+        del y
+        assert live.current == 0 and live.peak == 2000
+    del view
+
+
+def test_plan_of_the_demo_recipe(tiny_checkpoint):
+    config = demo_config()
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, tiny_path=str(tiny_checkpoint))
+    )
+    plan = plan_memory(config, world_size=1, gpu_memory_gb=1.0, device_type="cpu")
+    assert plan.dtype == "float32" and not plan.gradient_checkpointing
+    assert set(plan.phases) == {"rollout", "train", "vae decode", "text encoder"}
+    assert plan.static["transformer weights"] == pytest.approx(561_920 * 4)
+    assert plan.peak > plan.static_total > 0
+    assert plan.max_micro_batch("train") >= 1
+    text = plan.render()
+    assert "expected peak" in text and "largest rollout.micro_batch_size" in text
