@@ -287,10 +287,10 @@ def watch_pipeline(clock: ForwardClock, parts, transformer: torch.nn.Module | No
 
 
 def watch_transformer_internals(clock: ForwardClock) -> None:
-    """Break the transformer forward down: float64 RoPE (``apply_rotary``) and SDPA calls."""
+    """Break the transformer forward down: RoPE (``apply_rotary``) and SDPA calls."""
     from boogu_adapters.model import attention
 
-    clock.wrap_inner("rope_float64", attention, "apply_rotary")
+    clock.wrap_inner("rope", attention, "apply_rotary")
     clock.wrap_inner("sdpa", attention.F, "scaled_dot_product_attention")
 
 

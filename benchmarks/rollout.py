@@ -188,7 +188,7 @@ def bench_model(name: str, parts, args, size: int) -> dict:
         },
         # Inside the transformer forward: its float64 RoPE and its attention kernels.
         "transformer_internals_s": {
-            "rope_float64": clock.inner_total("transformer", "rope_float64"),
+            "rope": clock.inner_total("transformer", "rope"),
             "sdpa": clock.inner_total("transformer", "sdpa"),
         },
         "target_share": TARGET_SHARE,

@@ -69,8 +69,8 @@ class _PhasedRewards:
         self._inner = inner
         self._call = clock.phased("reward", inner)
 
-    def __call__(self, images, records):
-        return self._call(images, records)
+    def __call__(self, images, records, **kwargs):
+        return self._call(images, records, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -210,8 +210,11 @@ def main() -> None:
                     "time/train",
                     "time/sync",
                     "time/step",
+                    "perf/tflops",
+                    "perf/mfu",
+                    "perf/tflops_per_image",
                 ):
-                    totals[("metric", key)] += metrics[key]
+                    totals[("metric", key)] += metrics.get(key, 0.0)
         clock.remove()
 
     figures = summarize(args, parts, trainer, warmup_s, per_step, totals)
@@ -295,7 +298,7 @@ def summarize(args, parts, trainer, warmup_s, per_step, totals) -> dict:
                 if k[:1] == ("inner",) and k[2] == "transformer" and k[3] == label
             )
             / n
-            for label in ("rope_float64", "sdpa")
+            for label in ("rope", "sdpa")
         },
         "nfe": {
             "rollout_per_image": rollout_rows / batch,
@@ -312,6 +315,7 @@ def summarize(args, parts, trainer, warmup_s, per_step, totals) -> dict:
         "encoder_rows_per_step": rows("rollout", "encoder"),
         "trainer_time_step_s": totals[("metric", "time/step")] / n,
         "trainer_time_encode_s": totals[("metric", "time/encode")] / n,
+        "perf": {key: totals[("metric", f"perf/{key}")] / n for key in ("tflops", "mfu", "tflops_per_image")},
     }
 
 
@@ -327,7 +331,8 @@ def print_figures(f: dict) -> None:
         f"warm-up {f['warmup_s']:.1f} s; {f['timed_steps']} timed steps: "
         + ", ".join(f"{w:.1f} s" for w in f["step_walls_s"])
         + f" (mean {f['step_wall_s']:.1f} s, trainer's time/step {f['trainer_time_step_s']:.1f} s); "
-        f"{f['images_per_s']:.3f} images/s"
+        f"{f['images_per_s']:.3f} images/s; model FLOPs {f['perf']['tflops']:.3f} TFLOPs/step "
+        f"({f['perf']['tflops_per_image']:.4f} per image), perf/mfu {f['perf']['mfu']:.1%} of the measured CPU peak"
     )
     wall = f["step_wall_s"]
     rows = []

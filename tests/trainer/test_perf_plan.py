@@ -158,3 +158,23 @@ def test_plan_of_the_demo_recipe(tiny_checkpoint):
     assert plan.max_micro_batch("train") >= 1
     text = plan.render()
     assert "expected peak" in text and "largest rollout.micro_batch_size" in text
+
+
+def test_trainer_plan_command_prints_the_plan_without_training(tiny_checkpoint, tmp_path, capsys):
+    from boogu_trainer.cli import main
+
+    run_dir = tmp_path / "runs"
+    code = main(
+        [
+            "--plan",
+            "--gpu-memory",
+            "1",
+            "--world-size",
+            "2",
+            f"model.tiny_path={tiny_checkpoint}",
+            f"logging.run_dir={run_dir}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "memory plan per GPU: 2 rank(s)" in out and "largest rollout.micro_batch_size" in out
+    assert not run_dir.exists()  # nothing was trained or written

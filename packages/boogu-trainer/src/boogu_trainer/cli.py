@@ -4,7 +4,7 @@ trainer                                   the CPU demo (tiny random checkpoint, 
 trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
-trainer RECIPE.yaml --plan [--gpu-memory GB]   print the expected peak memory per GPU and exit
+trainer RECIPE.yaml --plan [--gpu-memory GB] [--world-size N]   print the expected peak memory per GPU and exit
 """
 
 from __future__ import annotations
@@ -52,13 +52,19 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
     parser.add_argument(
         "--plan",
         action="store_true",
-        help="print the expected peak memory per GPU (no weights are loaded; WORLD_SIZE ranks) and exit",
+        help="print the expected peak memory per GPU (no weights are loaded) and exit",
     )
     parser.add_argument(
         "--gpu-memory",
         type=float,
         metavar="GB",
         help="with --plan: GPU memory in GiB, to report the largest micro-batches that fit",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="with --plan: the number of ranks (FSDP shards the transformer and the LoRA state; default: $WORLD_SIZE or 1)",
     )
     parser.add_argument("--version", action="version", version=f"boogu-trainer {__version__}")
     ns = parser.parse_args(argv)
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         from boogu_trainer.plan import plan_memory
 
         _quiet_libraries()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = ns.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         print(plan_memory(config, world_size=world, gpu_memory_gb=ns.gpu_memory).render())
         return 0
     logging.basicConfig(
