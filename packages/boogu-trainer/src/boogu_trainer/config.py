@@ -308,27 +308,31 @@ class RewardConfig:
     """Stop the run after this many consecutive steps with non-finite rewards or losses."""
 
     def __post_init__(self) -> None:
-        from boogu_trainer.rewards import validate_reward_spec  # the registry loads the built-ins
-
         _check(len(self.rewards) >= 1, "reward.rewards", self.rewards, "at least one reward")
         _check(self.max_nonfinite_steps >= 1, "reward.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
-        labels: dict[str, int] = {}
-        for i, spec in enumerate(self.rewards):
-            key = f"reward.rewards[{i}]"
-            _check(isinstance(spec, RewardSpec), key, spec, "a mapping of name, weight, label, kwargs")
-            _check_finite(spec, f"{key}.")
-            _check(bool(spec.name), f"{key}.name", spec.name, "a reward name")
-            try:
-                validate_reward_spec(spec.name, spec.kwargs)
-            except ValueError as e:
-                raise ConfigError(f"{key}: {e}") from None
-            label = spec.label or spec.name
-            if label in labels:
-                raise ConfigError(
-                    f"reward.rewards: entries {labels[label]} and {i} share the label {label!r}; "
-                    "give one of them a distinct label"
-                )
-            labels[label] = i
+        _check_reward_specs(self.rewards, "reward.rewards")
+
+
+def _check_reward_specs(specs: tuple[RewardSpec, ...], key: str) -> None:
+    """Each spec names a known reward with known options; labels are unique."""
+    from boogu_trainer.rewards import validate_reward_spec  # the registry loads the built-ins
+
+    labels: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        item = f"{key}[{i}]"
+        _check(isinstance(spec, RewardSpec), item, spec, "a mapping of name, weight, label, kwargs")
+        _check_finite(spec, f"{item}.")
+        _check(bool(spec.name), f"{item}.name", spec.name, "a reward name")
+        try:
+            validate_reward_spec(spec.name, spec.kwargs)
+        except ValueError as e:
+            raise ConfigError(f"{item}: {e}") from None
+        label = spec.label or spec.name
+        if label in labels:
+            raise ConfigError(
+                f"{key}: entries {labels[label]} and {i} share the label {label!r}; give one of them a distinct label"
+            )
+        labels[label] = i
 
 
 @dataclass(frozen=True)
@@ -384,6 +388,8 @@ class CheckpointConfig:
     """Save every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int = 3
     """Keep this many complete checkpoints."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the best gold evaluation score (eval.rewards' weighted total); checkpoints/best points to it."""
 
     def __post_init__(self) -> None:
         _check(self.save_every >= 0, "checkpoint.save_every", self.save_every, ">= 0")
@@ -421,9 +427,19 @@ class EvalConfig:
     """Denoising steps for evaluation (deterministic ODE sampling)."""
     num_prompts: int = 16
     """Evaluation prompts per evaluation."""
+    rewards: tuple[RewardSpec, ...] = ()
+    """Held-out "gold" rewards, computed only on the evaluation set (same form as reward.rewards); empty: the training rewards."""
+    stop_on_divergence: int = 0
+    """k > 0: act when the training reward rose and the gold reward fell over each of the last k evaluations (0: off)."""
+    divergence_action: Literal["warn", "stop"] = "warn"
+    """What a divergence does: log a warning, or stop the run with a checkpoint."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "eval.every", self.every, ">= 0")
+        _check(
+            self.stop_on_divergence >= 0, "eval.stop_on_divergence", self.stop_on_divergence, ">= 0 (0 = off)"
+        )
+        _check_reward_specs(self.rewards, "eval.rewards")
         _check(self.num_steps >= 1, "eval.num_steps", self.num_steps, ">= 1")
         _check(self.num_prompts >= 1, "eval.num_prompts", self.num_prompts, ">= 1")
 
@@ -479,6 +495,8 @@ class TrainerConfig:
     """Seeds data order, rollouts, windows and LoRA init."""
     resume: str = ""
     """'' (fresh run; refuses a run folder that has checkpoints), 'auto' (latest complete checkpoint) or a checkpoint path."""
+    preflight: bool = True
+    """Before the first step, check that the run can learn (LoRA modules matched, gradients on every adapted module, on-policy ratio 1, rewards vary within groups, a synced update reaches the engine); stop with the named cause otherwise."""
     resume_allow_changes: tuple[str, ...] = ()
     """Config keys allowed to differ from the checkpoint's on resume (e.g. [optim.lr]); the new values take effect. Keys that do not change the past (total_steps, logging.*, checkpoint.*, eval.*, distributed.timeout_s) may always change."""
 
@@ -509,6 +527,7 @@ RESUME_FREE_KEYS: tuple[str, ...] = (
     "eval",
     "distributed.timeout_s",
     "perf",
+    "preflight",
     "model.compile",
     "model.compile_bucket",
     "rollout.micro_batch_size",
