@@ -28,6 +28,12 @@ Rules (`Checkpointer`): a fresh run never writes into a used run folder (it move
 checkpoints *of this run* (its ``run_id``) and never touches another run's; a resume whose config
 differs from the checkpoint's in a key that changes the past is refused unless the key is listed
 in ``resume_allow_changes``.
+
+Best checkpoint (``checkpoint.keep_best``): ``checkpoints/best.json`` = ``{"step", "gold", "folder"}``
+names the checkpoint folder with the best gold evaluation score so far. It is a pointer, not a
+symlink (portable, and replaced atomically), written only after that folder is committed; pruning
+never deletes the folder it names. A resume rewrites it from the trainer state, so it never points
+to a checkpoint of a discarded future.
 """
 
 from __future__ import annotations
@@ -50,7 +56,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from boogu_adapters.lora import from_peft_keys, to_peft_keys
-from boogu_data.atomic import commit_folder, recover_folder, remove_stale, stage_folder
+from boogu_data.atomic import (
+    atomic_write_text,
+    commit_folder,
+    recover_folder,
+    remove_stale,
+    stage_folder,
+)
 from boogu_trainer.config import TrainerConfig, config_changes, config_to_dict
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.faults import fault_point
@@ -60,6 +72,7 @@ logger = logging.getLogger("boogu_trainer")
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
+BEST = "best.json"
 
 
 class CheckpointError(RuntimeError):
@@ -321,16 +334,62 @@ class Checkpointer:
         return final
 
     def prune(self, keep: Path | None = None) -> list[Path]:
-        """Delete this run's checkpoints beyond the newest ``keep_last``; other runs' are never touched."""
+        """Delete this run's checkpoints beyond the newest ``keep_last``; other runs' are never touched,
+        nor the one ``best.json`` names."""
+        best = self.best()
+        protected = {keep, None if best is None else self.root / best["folder"]}
         mine = [
             (s, f)
             for s, f in checkpoint_folders(self.root)
             if run_id_of(f) == self.run_id and verify_checkpoint(f, hashes=False) is None
         ]
-        doomed = [f for _, f in mine[: -self.config.checkpoint.keep_last] if f != keep]
+        doomed = [f for _, f in mine[: -self.config.checkpoint.keep_last] if f not in protected]
         for folder in doomed:
             shutil.rmtree(folder, ignore_errors=True)
         return doomed
+
+    def best(self) -> dict[str, Any] | None:
+        """What ``checkpoints/best.json`` says (``{"step", "gold", "folder"}``), or None (none, unreadable)."""
+        try:
+            best = json.loads((self.root / BEST).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(best, dict) or not STEP_DIR.match(str(best.get("folder", ""))):
+            return None
+        return best
+
+    def best_folder(self) -> Path | None:
+        """The best checkpoint's folder, if ``best.json`` names one that is still complete."""
+        best = self.best()
+        folder = None if best is None else self.root / best["folder"]
+        return folder if folder is not None and (folder / COMPLETE).is_file() else None
+
+    def mark_best(self, step: int, gold: float, folder: Path | None = None) -> None:
+        """Point ``best.json`` at the (committed) checkpoint of ``step``, then prune the previous best
+        if ``keep_last`` no longer keeps it. Rank 0 writes; other ranks return at once."""
+        if not self.dist.is_main:
+            return
+        folder = folder or self.root / step_dir_name(step)
+        if not (folder / COMPLETE).is_file():
+            raise CheckpointError(f"mark_best: {folder} is not a complete checkpoint")
+        record = {"step": int(step), "gold": float(gold), "folder": folder.name}
+        atomic_write_text(self.root / BEST, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        self.prune(keep=folder)
+
+    def restore_best(self, best: Mapping[str, Any] | None) -> None:
+        """On resume: make ``best.json`` say what the trainer state says (the best as of that step).
+
+        A pointer written after the checkpoint resumed from (a discarded future) is replaced, or
+        removed when the state has no best; its folder is then pruned like any other.
+        """
+        if not self.dist.is_main or not self.config.checkpoint.keep_best:
+            return
+        if best is None or not (self.root / best["folder"] / COMPLETE).is_file():
+            (self.root / BEST).unlink(missing_ok=True)
+            return
+        if self.best() != {"step": best["step"], "gold": best["gold"], "folder": best["folder"]}:
+            record = {"step": int(best["step"]), "gold": float(best["gold"]), "folder": best["folder"]}
+            atomic_write_text(self.root / BEST, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
     def find(self, spec: str) -> Path | None:
         """The checkpoint to resume from: ``'auto'`` -> the newest intact one of this run folder (None

@@ -5,6 +5,7 @@ trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.l
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
 trainer RECIPE.yaml --plan [--gpu-memory GB] [--world-size N]   print the expected peak memory per GPU and exit
+trainer RECIPE.yaml --preflight           run only the preflight checks (boogu_trainer.preflight); exit 0/1
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
         "--plan",
         action="store_true",
         help="print the expected peak memory per GPU (no weights are loaded) and exit",
+    )
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="build the model, run only the preflight checks (LoRA targets, gradients, on-policy ratio, "
+        "reward spread, weight sync), print the report and exit 0 (passed) or 1; nothing is trained or written",
     )
     parser.add_argument(
         "--gpu-memory",
@@ -118,7 +125,33 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("BOOGU_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    if ns.preflight:
+        return preflight_only(config)
     return run(config, demo=recipe is None)
+
+
+def preflight_only(config: TrainerConfig) -> int:
+    """``--preflight``: build the trainer (no run folder is written), run the checks, print the report."""
+    from boogu_trainer.distributed import DistEnv
+    from boogu_trainer.loop import Trainer, resolve_device
+    from boogu_trainer.preflight import PreflightError, run_preflight
+
+    _quiet_libraries()
+    device = resolve_device(config.model.device)
+    dist = DistEnv.from_environment(config.distributed.backend, device.type, config.distributed.timeout_s)
+    try:
+        trainer = Trainer(config, dist=dist)
+        report = run_preflight(trainer, raise_on_failure=False)
+    except PreflightError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return 1
+    finally:
+        dist.close()
+    if dist.is_main:
+        print(report.render())
+        for failure in report.failures:
+            print(f"trainer: preflight check {failure.name!r} failed: {failure.detail}", file=sys.stderr)
+    return 0 if report.passed else 1
 
 
 def run(config: TrainerConfig, *, demo: bool = False) -> int:
@@ -127,6 +160,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     from boogu_trainer.distributed import CollectiveTimeout, DistEnv
     from boogu_trainer.loop import Trainer, TrainingStopped, resolve_device
     from boogu_trainer.metrics import reward_verdict, summarize_rewards
+    from boogu_trainer.preflight import PreflightError, preflight_due, run_preflight
 
     _quiet_libraries()
     device = resolve_device(config.model.device)
@@ -158,6 +192,10 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
                     if folder
                     else "no checkpoint yet: starting fresh"
                 )
+        if preflight_due(trainer):
+            trainer.preflight_report = run_preflight(trainer)
+            if main_rank:
+                print(trainer.preflight_report.render())
         if main_rank and config.logging.progress:
             from tqdm import tqdm
 
@@ -174,6 +212,9 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     except TrainingStopped as e:
         print(f"trainer: stopped: {e}", file=sys.stderr)
         return 3
+    except PreflightError as e:
+        print(f"trainer: stopped: {e}", file=sys.stderr)
+        return 1
     except (CheckpointError, CollectiveTimeout) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 4

@@ -20,6 +20,7 @@ Reads like the algorithm (Flow-GRPO, Liu et al. 2025):
 from __future__ import annotations
 
 import logging
+import math
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,11 +40,12 @@ from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.config import TrainerConfig, config_to_dict, resolved_model_dtype
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
 from boogu_trainer.distributed import DistEnv, shard_transformer
-from boogu_trainer.evaluation import Evaluator
+from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker
 from boogu_trainer.faults import fault_point
 from boogu_trainer.learner import Learner, UpdateResult
 from boogu_trainer.metrics import ForwardCounter, MetricsLogger, StepTimer, plot_reward_curve, sample_grid
 from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf
+from boogu_trainer.preflight import PreflightReport, lora_targets_error, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.rollout import RolloutScorer, ScoredBatch
 
@@ -155,6 +157,8 @@ class Trainer:
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (0, None)
         self.step = 0
         self.nonfinite_streak = 0
+        self.preflight_report: PreflightReport | None = None
+        self.gold = GoldTracker(k=config.eval.stop_on_divergence)
 
     # ---- construction --------------------------------------------------------------------------
     def _load_parts(self) -> BooguParts:
@@ -164,14 +168,20 @@ class Trainer:
         cfg = self.config
         for p in transformer.parameters():
             p.requires_grad_(False)
-        add_lora(
-            transformer,
-            rank=cfg.lora.rank,
-            alpha=cfg.lora.alpha,
-            target_modules=cfg.lora.target_modules,
-            init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
-            seed=cfg.seed,
-        )
+        try:
+            add_lora(
+                transformer,
+                rank=cfg.lora.rank,
+                alpha=cfg.lora.alpha,
+                target_modules=cfg.lora.target_modules,
+                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+                seed=cfg.seed,
+            )
+        except ValueError as e:  # no module matched: the preflight's named stop, whatever preflight says
+            error = lora_targets_error(transformer, cfg.lora.target_modules, e)
+            if error is None:
+                raise
+            raise error from e
         # float32 master weights for the adapters even when the base runs in bf16; their products
         # run in the activations' dtype (bf16 on GPU), like the base layers'.
         for name, p in transformer.named_parameters():
@@ -208,6 +218,8 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def train(self, progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         cfg = self.config
+        if preflight_due(self):
+            self.preflight_report = run_preflight(self)  # a PreflightError stops before any output
         if self.metrics is None:
             self.metrics = self._open_metrics()
             self.metrics.truncate_to(0)
@@ -221,19 +233,47 @@ class Trainer:
                 result = self.train_step()
                 self.step += 1
                 record = {"step": self.step, **result.metrics}
-                if self.evaluator.due(self.step):
-                    record.update(self.evaluator.run())
+                self.gold.observe_step(float(result.metrics.get("reward/mean", math.nan)))
+                evaluation = self._evaluate() if self.evaluator.due(self.step) else None
+                if evaluation is not None:
+                    record.update(evaluation.metrics)
                 self._write_outputs(record, result)
+                saved = None
                 if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or (
                     self.step == cfg.total_steps
                 ):
-                    self.save()
+                    saved = self.save()
+                if evaluation is not None:
+                    self._after_evaluation(evaluation, saved)
                 fault_point("step_end", self.step, self.dist.rank)
                 if progress is not None:
                     progress(self.step, record)
         finally:
             self.metrics.close()
         return self.metrics.history
+
+    def _evaluate(self) -> EvalResult:
+        """Evaluate now; rank 0 writes ``eval/step_XXXXXX/``. Updates the best gold score and the
+        divergence streak (their state goes into the checkpoint of this step)."""
+        result = self.evaluator.evaluate(self.step)
+        self.evaluator.write(result, self.run_dir)
+        self._verdict = self.gold.evaluation(self.step, result.gold, ckpt.step_dir_name(self.step))
+        return result
+
+    def _after_evaluation(self, result: EvalResult, saved: Path | None) -> None:
+        """``checkpoint.keep_best``: a new best gold score gets a checkpoint and ``checkpoints/best.json``;
+        ``eval.stop_on_divergence``: warn, or stop with a checkpoint."""
+        cfg, verdict = self.config, self._verdict
+        if verdict.new_best and cfg.checkpoint.keep_best:
+            saved = saved or self.save()
+            self.checkpointer.mark_best(self.step, result.gold, saved)
+        if verdict.diverging:
+            logger.warning("%s", verdict.message)
+            if cfg.eval.divergence_action == "stop":
+                path = saved or self.save()
+                raise TrainingStopped(
+                    f"{verdict.message}; stopped (eval.divergence_action=stop), the state is saved in {path}"
+                )
 
     def train_step(self) -> StepResult:
         """One FlowGRPO step: roll out and score, update the policy, publish the new weights."""
@@ -379,6 +419,7 @@ class Trainer:
                 "nonfinite_streak": self.nonfinite_streak,
                 "counters": dict(self.learner.counters),
                 "weights_version": self.engine.weights_version,
+                "gold": self.gold.state_dict(),
             },
             config_yaml=yaml.safe_dump(config_to_dict(self.config), sort_keys=False),
             ema=None if ema is None else {k: v.cpu() for k, v in ema.items()},
@@ -398,6 +439,8 @@ class Trainer:
         self.step = int(state["step"])
         self.data.load_state_dict(state["data"])
         self.nonfinite_streak = int(state["nonfinite_streak"])
+        self.gold.load_state_dict(state.get("gold"))
+        self.checkpointer.restore_best(self.gold.best)
         if contents.rng is not None:
             ckpt.set_rng_state(contents.rng)
         version = max(int(state["weights_version"]), 1)

@@ -123,7 +123,7 @@ class RolloutScorer:
             dtype=torch.float64,
         )
         counts = self.dist.all_reduce_sum(counts, "sum encoder counters")
-        metrics = reward_metrics({"reward": adv.rewards, **per_reward})
+        metrics = reward_metrics({"reward": adv.rewards, **per_reward}, group_id=group_id)
         metrics.update(adv.stats())
         metrics.update(
             {
@@ -151,11 +151,52 @@ class RolloutScorer:
         )
 
 
-def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``<name>/mean`` and ``<name>/std`` over the finite entries of each (B,) reward (NaN if none)."""
+def reward_metrics(
+    rewards: dict[str, torch.Tensor], group_id: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Per-reward statistics of one step's (B,) rewards, so a user sees one reward eating another.
+
+    * ``<name>/mean``, ``<name>/std`` over the finite entries of each reward (NaN if none);
+    * ``<name>/zero_std_share`` (with ``group_id``): the share of groups (with a finite score) whose
+      finite scores for that reward are all equal, i.e. that reward gives those groups no signal;
+    * ``reward_corr/<a>~<b>``: the Pearson correlation of each pair of rewards other than the total
+      ``"reward"`` over the samples where both are finite (NaN with fewer than 2 such samples or a
+      constant reward). With a single reward there is no pair, so nothing is added.
+    """
     out: dict[str, float] = {}
     for name, v in rewards.items():
         finite = v[torch.isfinite(v)]
         out[f"{name}/mean"] = float(finite.mean()) if finite.numel() else math.nan
         out[f"{name}/std"] = float(finite.std(unbiased=False)) if finite.numel() else math.nan
+        if group_id is not None:
+            out[f"{name}/zero_std_share"] = zero_std_share(v, group_id)
+    names = [n for n in rewards if n != "reward"]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            out[f"reward_corr/{a}~{b}"] = pearson(rewards[a], rewards[b])
     return out
+
+
+def zero_std_share(values: torch.Tensor, group_id: torch.Tensor) -> float:
+    """Share of the groups with a finite score whose finite scores are all equal (NaN: no such group)."""
+    values, group_id = values.double().cpu(), group_id.long().cpu()
+    ok = torch.isfinite(values)
+    if not bool(ok.any()):
+        return math.nan
+    v, g = values[ok], group_id[ok]
+    groups = int(group_id.max()) + 1
+    big = torch.full((groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, g, v, "amax")
+    small = torch.full((groups,), math.inf, dtype=torch.float64).scatter_reduce(0, g, v, "amin")
+    present = torch.zeros(groups, dtype=torch.bool).index_fill_(0, g, True)
+    return float((big[present] == small[present]).double().mean())
+
+
+def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Pearson correlation of two (B,) rewards over the samples where both are finite (NaN if undefined)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    ok = torch.isfinite(a) & torch.isfinite(b)
+    if int(ok.sum()) < 2:
+        return math.nan
+    x, y = a[ok] - a[ok].mean(), b[ok] - b[ok].mean()
+    denom = float((x.square().sum() * y.square().sum()).sqrt())
+    return float((x * y).sum()) / denom if denom > 0 else math.nan

@@ -13,6 +13,13 @@
   ``vlm_ocr``                 reference OCR score, VLM over OpenAI-compatible HTTP [0, 1]
   ``jpeg_compressibility``    minus JPEG size (q95) in kB                          (-inf, 0)
   ``jpeg_incompressibility``  JPEG size (q95) in kB                                (0, inf)
+  ``clip_score``              CLIP-S: scale·max(cos(img, text), 0), local CLIPModel [0, scale]
+  ``pickscore``               PickScore: logit_scale.exp()·cos(img, text)          about [-100, 100]
+  ``aesthetic``               LAION aesthetic v2 MLP on normalised CLIP-L/14 emb.  roughly 1..10
+  ``edit_preservation``       how much of the reference survives (CLIP image cos   [-1, 1] / [0, 1]
+                              or 1 - mean|Δ|/255)
+  ``http``                    any reward served over the reward-service protocol   the served reward's
+                              (``boogu-reward-server``, docs/reward-service.md)
   ``demo_brightness``         mean brightness (demo only)                          [0, 1]
   ``demo_target_color``       closeness of the mean colour to a target (demo only) [0, 1]
   ``demo_contrast``           std of the pixel values over 127.5 (demo only)       [0, 1]
@@ -28,7 +35,8 @@
 * `ocr_text_score`: the reference's OCR score formula on strings.
 """
 
-# Importing the built-in reward modules (demo, jpeg, ocr, vlm) registers their rewards.
+# Importing the built-in reward modules (demo, http, jpeg, ocr, vlm) registers their rewards.
+from boogu_trainer.rewards import clip  # noqa: F401 (registers the CLIP-family rewards; loads transformers lazily)
 from boogu_trainer.rewards.base import (
     OnError,
     RewardError,
@@ -39,6 +47,7 @@ from boogu_trainer.rewards.base import (
 )
 from boogu_trainer.rewards.composite import RewardOutput, WeightedRewards, build_rewards
 from boogu_trainer.rewards.demo import BrightnessReward, ContrastReward, SkyReward, TargetColorReward
+from boogu_trainer.rewards.http import HttpReward
 from boogu_trainer.rewards.jpeg import (
     JpegSizeReward,
     jpeg_compressibility,
@@ -61,6 +70,7 @@ __all__ = [
     "BrightnessReward",
     "CallableReward",
     "ContrastReward",
+    "HttpReward",
     "JpegSizeReward",
     "OcrReward",
     "OnError",

@@ -1,0 +1,370 @@
+"""``http``: any reward served over HTTP by the reward-service protocol (docs/reward-service.md).
+
+The images of a batch are sent as base64 PNGs, with their prompt records, in chunks of
+``batch_size`` to ``POST {url}/score``; the answer is one score per image (``null`` for a
+non-finite one, read back as NaN). ``boogu-reward-server`` (`boogu_trainer.reward_server`)
+serves any registered reward this way, so an expensive reward can run on its own GPU or machine.
+
+The transport is `vlm_ocr`'s (standard library ``http.client``): every attempt has an overall
+deadline, ``timeout_s``, for connecting, sending the request and reading the whole answer;
+transient failures (connection errors, a missed deadline, HTTP 408/425/429/5xx) are retried with
+exponential backoff; after the last retry, or at once for any other status (3xx, 4xx; redirects
+are not followed) or a malformed answer (not JSON, the wrong protocol version, the wrong number of
+scores, a score that is not a number or null), a `RewardError` names the URL, the images and what
+was wrong, with an excerpt of the answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import http.client
+import io
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from boogu_data import PromptRecord
+from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
+from boogu_trainer.rewards.registry import register_reward
+from boogu_trainer.rewards.vlm import (
+    _RETRYABLE_STATUS,
+    _DeadlineHTTPConnection,
+    _DeadlineHTTPSConnection,
+    _endpoint,
+    _excerpt,
+    _is_int,
+    _is_number,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HttpReward",
+    "decode_png",
+    "encode_png",
+    "record_from_json",
+    "record_to_json",
+    "scores_from_json",
+    "scores_to_json",
+]
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+"""The reward-service protocol version this module speaks (the ``"version"`` of every message)."""
+
+# PromptRecord fields holding bytes: base64 text on the wire.
+_BYTES_FIELDS = frozenset({"ref_image"})
+
+
+class _Transient(Exception):
+    """One attempt failed in a way a later attempt may not (message only; never leaves this module)."""
+
+
+# --- the protocol's encodings, shared with the server ---------------------------------------------
+
+
+def encode_png(rgb: np.ndarray) -> str:
+    """One ``(H, W, 3)`` uint8 RGB array as base64 PNG text (lossless; compression level 1)."""
+    buffer = io.BytesIO()
+    # Level 1: the trainer's CPU time is scarcer than bytes on the wire.
+    Image.fromarray(rgb).save(buffer, format="PNG", compress_level=1)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_png(text: object) -> np.ndarray:
+    """Base64 PNG text -> ``(H, W, 3)`` uint8 RGB array. Raises ValueError saying what is wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"an image must be base64 PNG text, got {type(text).__name__}")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError as error:
+        raise ValueError(f"an image is not valid base64: {error}") from None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format != "PNG":
+                raise ValueError(f"an image must be a PNG, got {image.format or 'an unknown format'}")
+            rgb = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except (OSError, SyntaxError, Image.DecompressionBombError) as error:
+        raise ValueError(f"an image could not be decoded as PNG: {error}") from None
+    return rgb
+
+
+def record_to_json(record: PromptRecord, *, ref_image: bool = True) -> dict[str, Any]:
+    """A record's fields as JSON values; ``ref_image`` bytes as base64 (None without ``ref_image``)."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(PromptRecord):
+        value = getattr(record, field.name)
+        if field.name in _BYTES_FIELDS:
+            value = base64.b64encode(value).decode("ascii") if value is not None and ref_image else None
+        out[field.name] = value
+    return out
+
+
+def record_from_json(value: object) -> PromptRecord:
+    """A record from `record_to_json`'s form; unknown keys are ignored, missing ones take defaults.
+
+    Raises ValueError (or TypeError from `PromptRecord`'s own checks) saying what is wrong.
+    """
+    if not isinstance(value, Mapping):
+        raise ValueError(f"a record must be a JSON object, got {type(value).__name__}")
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(PromptRecord):
+        if field.name not in value:
+            continue
+        item = value[field.name]
+        if field.name in _BYTES_FIELDS and item is not None:
+            if not isinstance(item, str):
+                raise ValueError(f"record.{field.name} must be base64 text or null")
+            try:
+                item = base64.b64decode(item, validate=True)
+            except ValueError as error:
+                raise ValueError(f"record.{field.name} is not valid base64: {error}") from None
+        kwargs[field.name] = item
+    if "instruction" not in kwargs:
+        raise ValueError("a record needs an 'instruction'")
+    return PromptRecord(**kwargs)
+
+
+def scores_to_json(scores: torch.Tensor) -> list[float | None]:
+    """``(B,)`` scores as JSON numbers; a non-finite score (NaN, ±inf) as null."""
+    return [value if math.isfinite(value) else None for value in scores.to(torch.float64).tolist()]
+
+
+def scores_from_json(value: object, count: int) -> list[float]:
+    """Check an answer's ``scores``: ``count`` numbers or nulls (NaN). Raises ValueError otherwise."""
+    if not isinstance(value, list):
+        raise ValueError(f"'scores' must be a list, got {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} scores for {count} images")
+    out: list[float] = []
+    for i, item in enumerate(value):
+        if item is None:
+            out.append(math.nan)
+        elif isinstance(item, int | float) and not isinstance(item, bool):
+            out.append(float(item))
+        else:
+            raise ValueError(f"score {i} is {item!r}, not a number or null")
+    return out
+
+
+# --- the reward ----------------------------------------------------------------------------------
+
+
+@register_reward("http")
+class HttpReward:
+    """A reward computed by a reward service (``boogu-reward-server`` or any server of the protocol).
+
+    Measures: whatever the served reward measures; its range and cost are the served reward's,
+    plus a PNG encode per image here and one request per ``batch_size`` images.
+
+    Options: ``url`` is the service root (``http://127.0.0.1:8123``); requests go to
+    ``{url}/score``. ``reward``, when set, is the name the service must serve (it answers 400
+    otherwise), so a config cannot silently score with the wrong server. ``batch_size`` images
+    go in one request, one request at a time. ``timeout_s`` is the deadline of one attempt:
+    connecting, sending the request and reading the whole answer must end within it. ``retries``
+    more attempts follow a transient failure, attempt k > 0 waiting
+    ``min(backoff_s * 2**(k-1), backoff_max_s)`` first. ``api_key_env`` names an environment
+    variable holding a bearer token. Proxies from the environment (http:// proxies only) are
+    ignored unless ``use_proxy_env``. ``send_ref_images=False`` leaves the records' reference
+    images out of the requests. ``on_error="nan"`` scores the images of a request that still fails
+    NaN (with a warning) instead of raising. ``name`` is the key the scores are logged under.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        reward: str | None = None,
+        batch_size: int = 16,
+        timeout_s: float = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        api_key_env: str | None = None,
+        use_proxy_env: bool = False,
+        send_ref_images: bool = True,
+        on_error: str = "raise",
+        name: str = "http",
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"http reward: url must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        if url.endswith(("/score", "/health")):
+            raise ValueError(
+                f"http reward: url must be the service root (e.g. http://127.0.0.1:8123), got {url!r}; "
+                "'/score' is appended"
+            )
+        _require(reward is None or (isinstance(reward, str) and reward), "reward", reward, "a name or None")
+        _require(_is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an int >= 1")
+        _require(_is_number(timeout_s) and timeout_s > 0, "timeout_s", timeout_s, "> 0")
+        _require(_is_int(retries) and retries >= 0, "retries", retries, "an int >= 0")
+        _require(_is_number(backoff_s) and backoff_s >= 0, "backoff_s", backoff_s, ">= 0")
+        _require(_is_number(backoff_max_s) and backoff_max_s >= 0, "backoff_max_s", backoff_max_s, ">= 0")
+        _require(isinstance(name, str) and name, "name", name, "a non-empty string")
+        self.name = name
+        self.url = url
+        self.score_url = f"{url}/score"
+        self.reward = reward
+        self.batch_size = batch_size
+        self.timeout_s = float(timeout_s)
+        self.retries = retries
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.send_ref_images = bool(send_ref_images)
+        self.on_error = check_on_error(on_error, name)
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key_env is not None:
+            key = os.environ.get(api_key_env, "")
+            if not key:
+                raise ValueError(f"http reward: api_key_env names {api_key_env!r}, which is unset or empty")
+            self._headers["Authorization"] = f"Bearer {key}"
+        self._endpoints = {path: _endpoint(f"{url}{path}", use_proxy_env) for path in ("/score", "/health")}
+        self._headers.update(self._endpoints["/score"].proxy_headers)
+
+    def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
+        batch_size = check_batch(images, records, self.name)
+        arrays = images_to_numpy(images)
+        scores: list[float] = []
+        for start in range(0, batch_size, self.batch_size):
+            stop = min(start + self.batch_size, batch_size)
+            try:
+                scores.extend(self._score_chunk(arrays[start:stop], records[start:stop], start))
+            except RewardError as error:
+                if self.on_error == "raise":
+                    raise
+                logger.warning("%s (images %d-%d scored NaN)", error, start, stop - 1)
+                scores.extend([math.nan] * (stop - start))
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def request_body(self, rgb: np.ndarray, records: Sequence[PromptRecord]) -> dict[str, Any]:
+        """The ``POST /score`` request for ``(n, H, W, 3)`` uint8 RGB images and their n records."""
+        body: dict[str, Any] = {
+            "version": PROTOCOL_VERSION,
+            "images": [encode_png(image) for image in rgb],
+            "records": [record_to_json(record, ref_image=self.send_ref_images) for record in records],
+        }
+        if self.reward is not None:
+            body["reward"] = self.reward
+        return body
+
+    def health(self) -> dict[str, Any]:
+        """The service's ``GET /health`` answer (its reward's name and options), with the retries."""
+        payload = self._exchange("GET", "/health", None, "the health check")
+        if not isinstance(payload, dict):
+            raise RewardError(f"http reward: GET {self.url}/health answered {payload!r}, not a JSON object")
+        return payload
+
+    def _score_chunk(self, rgb: np.ndarray, records: Sequence[PromptRecord], start: int) -> list[float]:
+        what = f"images {start}-{start + len(rgb) - 1}"
+        body = json.dumps(self.request_body(rgb, records)).encode("utf-8")
+        payload, raw = self._exchange("POST", "/score", body, what, with_raw=True)
+        try:
+            if not isinstance(payload, dict) or "scores" not in payload:
+                raise ValueError("the answer is not a JSON object with 'scores'")
+            return scores_from_json(payload["scores"], len(rgb))
+        except ValueError as error:
+            raise RewardError(
+                f"http reward: POST {self.score_url} answered {what} with a malformed answer: {error}: "
+                f"{_excerpt(raw)}"
+            ) from None
+
+    def _exchange(
+        self, method: str, path: str, body: bytes | None, what: str, *, with_raw: bool = False
+    ) -> Any:
+        """One request with the retries: the parsed JSON answer (and the raw bytes, ``with_raw``)."""
+        attempts = self.retries + 1
+        last_error: _Transient | None = None
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
+            try:
+                raw = self._attempt(method, path, body, what)
+            except _Transient as error:
+                last_error = error
+                logger.info("http reward: %s %s%s, attempt %d/%d failed: %s", method, self.url, path,
+                            attempt + 1, attempts, error)  # fmt: skip
+                continue
+            payload = self._parse(raw, method, path, what)
+            return (payload, raw) if with_raw else payload
+        raise RewardError(
+            f"http reward: {method} {self.url}{path} failed for {what} after {attempts} attempt(s) "
+            f"(deadline {self.timeout_s:g} s each, for connecting, sending and the whole answer); "
+            f"last error: {last_error}"
+        )
+
+    def _attempt(self, method: str, path: str, body: bytes | None, what: str) -> bytes:
+        endpoint = self._endpoints[path]
+        connection_class = _DeadlineHTTPSConnection if endpoint.https else _DeadlineHTTPConnection
+        connection = connection_class(
+            endpoint.host, endpoint.port, deadline=time.monotonic() + self.timeout_s
+        )
+        if endpoint.tunnel is not None:
+            connection.set_tunnel(*endpoint.tunnel, headers=dict(endpoint.proxy_headers))
+        waiting_for = "connection"
+        try:
+            connection.connect()
+            waiting_for = "answer"
+            connection.request(method, endpoint.target, body=body, headers=self._headers)
+            response = connection.getresponse()
+            raw = response.read()
+        except TimeoutError:
+            raise _Transient(
+                f"no {waiting_for} within {self.timeout_s:g} s (the deadline for connecting, sending "
+                "and reading the whole answer)"
+            ) from None
+        except (OSError, http.client.HTTPException) as error:
+            # Connection refused or reset, server closed mid-answer, truncated body: transient.
+            raise _Transient(f"{type(error).__name__}: {error}") from None
+        finally:
+            connection.close()
+        if 200 <= response.status < 300:
+            return raw
+        message = f"HTTP {response.status} {response.reason}: {_server_message(raw)}"
+        if response.status in _RETRYABLE_STATUS:
+            raise _Transient(message)
+        if 300 <= response.status < 400:
+            message += f" (redirects are not followed; Location: {response.getheader('Location')})"
+        raise RewardError(f"http reward: {method} {self.url}{path} was rejected for {what}: {message}")
+
+    def _parse(self, raw: bytes, method: str, path: str, what: str) -> Any:
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            raise RewardError(
+                f"http reward: {method} {self.url}{path} answered {what} with something that is not "
+                f"JSON (is it a reward service?): {_excerpt(raw)}"
+            ) from None
+        version = payload.get("version") if isinstance(payload, dict) else None
+        if version != PROTOCOL_VERSION:
+            raise RewardError(
+                f"http reward: {method} {self.url}{path} answered {what} with protocol version "
+                f"{version!r}; this client speaks version {PROTOCOL_VERSION}: {_excerpt(raw)}"
+            )
+        return payload
+
+    def __repr__(self) -> str:
+        return f"HttpReward(url={self.url!r}, reward={self.reward!r})"
+
+
+def _server_message(raw: bytes) -> str:
+    """The ``error.message`` of a protocol error answer, else an excerpt of the body."""
+    try:
+        payload = json.loads(raw)
+        message = payload["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return _excerpt(raw)
+    return _excerpt(str(message).encode("utf-8"), limit=1000)
+
+
+def _require(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"http reward: {field} must be {allowed}, got {value!r}")

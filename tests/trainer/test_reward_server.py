@@ -1,0 +1,411 @@
+"""The reward service: the ``http`` reward against the real ``boogu-reward-server`` and broken servers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from boogu_data import PromptRecord
+from boogu_trainer.reward_server import RewardServer, is_loopback, main, serve
+from boogu_trainer.rewards import RewardError, build_reward
+from boogu_trainer.rewards.http import HttpReward
+
+
+def _images(n: int, size: int = 16, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=generator)
+
+
+def _records(n: int) -> list[PromptRecord]:
+    return [
+        PromptRecord(
+            instruction=f"prompt {i} ✓",
+            ground_truth=f"text {i}",
+            data_source="test/source",
+            ref_image=bytes([i + 1]) * 5 if i % 2 else None,
+            index=i,
+        )
+        for i in range(n)
+    ]
+
+
+def _client(url: str, **kwargs) -> HttpReward:
+    options = {"timeout_s": 5.0, "retries": 2, "backoff_s": 0.01} | kwargs
+    return build_reward("http", url=url, **options)  # type: ignore[return-value]
+
+
+class _Recording:
+    """A reward that records what it is called with and scores by ``fn`` (default: brightness)."""
+
+    def __init__(self, name: str = "demo_brightness", fn=None) -> None:
+        self.name = name
+        self.inner = build_reward("demo_brightness")
+        self.fn = fn
+        self.calls: list[tuple[torch.Tensor, list[PromptRecord]]] = []
+
+    def __call__(self, images, records):
+        self.calls.append((images.clone(), list(records)))
+        if self.fn is not None:
+            return self.fn(images, records)
+        return self.inner(images, records)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[_Recording, RewardServer]]:
+    reward = _Recording()
+    server = serve(reward, options={"note": "test"})
+    try:
+        yield reward, server
+    finally:
+        server.close()
+
+
+# --- against the real server ----------------------------------------------------------------------
+
+
+def test_scores_equal_the_in_process_reward_across_chunks(served) -> None:
+    reward, server = served
+    images, records = _images(7, seed=1), _records(7)
+    scores = _client(server.url, batch_size=3, reward="demo_brightness")(images, records)
+    assert scores.dtype == torch.float32 and scores.shape == (7,)
+    assert torch.equal(scores, build_reward("demo_brightness")(images, records))
+    assert [len(call[1]) for call in reward.calls] == [3, 3, 1]
+    # The server saw exactly the pixels and records the trainer had.
+    assert torch.equal(torch.cat([call[0] for call in reward.calls]), images)
+    assert [r for call in reward.calls for r in call[1]] == records
+
+
+def test_ref_images_can_be_left_out(served) -> None:
+    reward, server = served
+    _client(server.url, send_ref_images=False)(_images(2), _records(2))
+    assert [r.ref_image for r in reward.calls[0][1]] == [None, None]
+    assert [r.instruction for r in reward.calls[0][1]] == ["prompt 0 ✓", "prompt 1 ✓"]
+
+
+def test_health_names_the_reward_and_its_options(served) -> None:
+    _, server = served
+    assert _client(server.url).health() == {
+        "version": 1,
+        "status": "ok",
+        "reward": "demo_brightness",
+        "options": {"note": "test"},
+    }
+
+
+def test_an_empty_batch_sends_nothing(served) -> None:
+    reward, server = served
+    scores = _client(server.url)(torch.zeros((0, 3, 8, 8), dtype=torch.uint8), [])
+    assert scores.shape == (0,) and reward.calls == []
+
+
+def test_non_finite_scores_round_trip_as_nan() -> None:
+    values = torch.tensor([float("nan"), float("inf"), 0.25, float("-inf")])
+    with serve(_Recording(fn=lambda images, records: values)) as server:
+        scores = _client(server.url)(_images(4), _records(4))
+    assert scores.dtype == torch.float32
+    assert torch.isnan(scores[[0, 1, 3]]).all() and scores[2].item() == 0.25
+
+
+def test_a_failing_reward_answers_500_with_its_message() -> None:
+    def explode(images, records):
+        raise RuntimeError("the judge ran out of memory")
+
+    reward = _Recording(fn=explode)
+    with serve(reward) as server:
+        start = time.monotonic()
+        with pytest.raises(
+            RewardError, match=r"after 2 attempt.*HTTP 500.*RuntimeError: the judge ran out of memory"
+        ):
+            _client(server.url, retries=1)(_images(2), _records(2))
+        assert time.monotonic() - start < 2
+    assert len(reward.calls) == 2  # a 5xx is retried
+
+
+def test_a_reward_returning_the_wrong_shape_is_a_500() -> None:
+    with (
+        serve(_Recording(fn=lambda images, records: [0.5])) as server,
+        pytest.raises(RewardError, match=r"HTTP 500.*shape \(1,\); expected \(2,\)"),
+    ):
+        _client(server.url, retries=0)(_images(2), _records(2))
+
+
+def test_the_wrong_reward_is_refused_at_once(served) -> None:
+    reward, server = served
+    with pytest.raises(RewardError, match=r"rejected.*HTTP 400.*serves reward 'demo_brightness', not 'ocr'"):
+        _client(server.url, reward="ocr")(_images(1), _records(1))
+    assert reward.calls == []
+
+
+def test_the_api_key_is_checked(monkeypatch) -> None:
+    monkeypatch.setenv("BOOGU_TEST_REWARD_KEY", "s3cret")
+    with serve(_Recording(), api_key="s3cret") as server:
+        with pytest.raises(RewardError, match=r"HTTP 401.*bearer token"):
+            _client(server.url)(_images(1), _records(1))
+        scores = _client(server.url, api_key_env="BOOGU_TEST_REWARD_KEY")(_images(1), _records(1))
+    assert torch.equal(scores, build_reward("demo_brightness")(_images(1), _records(1)))
+
+
+def _raw_request(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _score_body(**overrides) -> bytes:
+    client = HttpReward(url="http://127.0.0.1:1")
+    rgb = _images(2).permute(0, 2, 3, 1).numpy()
+    return json.dumps(client.request_body(rgb, _records(2)) | overrides).encode()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "match"),
+    [
+        ("POST", "/score", b"{not json", 400, "not JSON"),
+        ("POST", "/score", b"[1, 2]", 400, "JSON object"),
+        ("POST", "/score", _score_body(version=2), 400, "unsupported protocol version 2"),
+        ("POST", "/score", _score_body(images=["aGVsbG8="] * 2), 400, "image 0: .*PNG"),
+        ("POST", "/score", _score_body(images=["%%%"] * 2), 400, "image 0: .*base64"),
+        ("POST", "/score", _score_body(records=[{"index": 0}] * 2), 400, "record 0: .*instruction"),
+        ("POST", "/score", _score_body(records=[{"instruction": "x", "index": -1}] * 2), 400, "record 0"),
+        ("POST", "/score", _score_body(records=[]), 400, "2 images but 0 records"),
+        ("GET", "/score", None, 405, "POST /score"),
+        ("GET", "/nope", None, 404, "/nope"),
+    ],
+)
+def test_bad_requests_get_json_errors(served, method, path, body, status, match) -> None:
+    reward, server = served
+    got_status, payload = _raw_request(server.url, method, path, body)
+    assert got_status == status
+    assert payload["version"] == 1
+    assert re.search(match, payload["error"]["message"])
+    assert reward.calls == []
+
+
+def test_a_too_large_request_is_refused() -> None:
+    with (
+        serve(_Recording(), max_body_bytes=100_000) as server,
+        pytest.raises(RewardError, match=r"HTTP 413.*limit of 100000.*batch_size"),
+    ):
+        # 256x256 noise: a body of some 260 kB, more than the sockets buffer, so the server must
+        # read it to be heard.
+        _client(server.url, retries=0)(_images(1, size=256), _records(1))
+
+
+def test_only_loopback_hosts_unless_allowed(capsys) -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("8.8.8.8")
+    with pytest.raises(ValueError, match="not a loopback address"):
+        RewardServer(_Recording(), "0.0.0.0")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--reward", "demo_brightness", "--host", "0.0.0.0"])
+    assert exit_info.value.code == 2 and "--allow-remote" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--reward", "no_such_reward"])
+    assert "unknown reward 'no_such_reward'" in capsys.readouterr().err
+
+
+def test_the_cli_serves_a_reward_with_options() -> None:
+    """``python -m boogu_trainer.reward_server`` prints its URL first and stops cleanly on SIGTERM."""
+    command = [sys.executable, "-m", "boogu_trainer.reward_server", "--reward", "demo_target_color"]
+    command += ["--kwargs", '{"target": [0, 0, 255]}', "--port", "0", "--log-level", "WARNING"]
+    env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+        try:
+            url = lines.get(timeout=60).strip()
+        except queue.Empty:
+            pytest.fail("the server printed no URL within 60 s")
+        assert url.startswith("http://127.0.0.1:"), (url, process.stderr.read() if process.poll() else "")
+        client = _client(url, batch_size=2, reward="demo_target_color")
+        assert client.health()["options"] == {"target": [0, 0, 255]}
+        images, records = _images(5, seed=3), _records(5)
+        expected = build_reward("demo_target_color", target=[0, 0, 255])(images, records)
+        assert torch.equal(client(images, records), expected)
+    finally:
+        process.terminate()
+        rc = process.wait(timeout=20)
+    assert rc == 0, process.stderr.read()
+
+
+# --- against servers that are down, slow or broken -------------------------------------------------
+
+
+def test_a_server_that_is_down_fails_clearly_after_the_retries() -> None:
+    with socket.socket() as sock:  # a loopback port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(
+        RewardError, match=rf"127.0.0.1:{port}/score failed for images 0-1 after 3 attempt.*Refused"
+    ):
+        _client(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.05, timeout_s=1.0)(_images(2), _records(2))
+    assert time.monotonic() - start < 1.0  # two backoffs of 0.05 and 0.1 s, refusals are immediate
+
+
+def test_on_error_nan_scores_a_failed_chunk_nan(caplog) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with caplog.at_level(logging.WARNING, logger="boogu_trainer.rewards.http"):
+        scores = _client(f"http://127.0.0.1:{port}", retries=0, on_error="nan")(_images(3), _records(3))
+    assert torch.isnan(scores).all() and "scored NaN" in caplog.text
+
+
+@dataclass
+class _Script:
+    """What the fake server answers: ``answers[i]`` for request i (the last one repeats)."""
+
+    answers: list[tuple[int, bytes]] = field(default_factory=list)
+    hang_s: float = 0.0
+    requests: list[dict] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+class _FakeServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that gave up closed its socket; the late write fails, as intended
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[_Script, str]]:
+    script = _Script()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            script.requests.append(body)
+            if script.hang_s and script.release.wait(script.hang_s):
+                return
+            status, payload = script.answers[min(len(script.requests), len(script.answers)) - 1]
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    server = _FakeServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield script, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        script.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_slow_server_misses_the_deadline_quickly(fake) -> None:
+    script, url = fake
+    script.hang_s = 30.0
+    script.answers = [(200, b'{"version": 1, "scores": [0.5]}')]
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"after 2 attempt.*no answer within 0.3 s"):
+        _client(url, timeout_s=0.3, retries=1, backoff_s=0.0)(_images(1), _records(1))
+    assert time.monotonic() - start < 1.5
+    assert len(script.requests) == 2
+
+
+def test_transient_statuses_are_retried(fake) -> None:
+    script, url = fake
+    script.answers = [
+        (503, b"overloaded"),
+        (429, b"slow down"),
+        (200, b'{"version": 1, "scores": [0.5, null]}'),
+    ]
+    scores = _client(url)(_images(2), _records(2))
+    assert scores[0].item() == 0.5 and math.isnan(scores[1].item())
+    assert len(script.requests) == 3
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [
+        ((200, b"<html>hello</html>"), r"not JSON.*<html>hello</html>"),
+        ((200, b'{"scores": [0.5, 0.5]}'), r"protocol version None"),
+        ((200, b'{"version": 2, "scores": [0.5, 0.5]}'), r"protocol version 2"),
+        ((200, b'{"version": 1, "scores": [0.5]}'), r"malformed answer: got 1 scores for 2 images"),
+        ((200, b'{"version": 1, "scores": ["0.5", "high"]}'), r"score 0 is '0.5', not a number"),
+        ((200, b'{"version": 1, "scores": [true, 0.5]}'), r"score 0 is True"),
+        ((200, b'{"version": 1, "scores": {"a": 1}}'), r"'scores' must be a list"),
+        ((200, b'{"version": 1}'), r"not a JSON object with 'scores'"),
+        ((200, b"[0.5, 0.5]"), r"protocol version None"),
+        ((404, b"no such page"), r"rejected for images 0-1: HTTP 404 .*no such page"),
+        (
+            (400, b'{"version": 1, "error": {"type": "x", "message": "you sent junk"}}'),
+            r"HTTP 400.*you sent junk",
+        ),
+        ((302, b""), r"redirects are not followed"),
+    ],
+)
+def test_garbage_answers_are_named_errors(fake, answer, match) -> None:
+    script, url = fake
+    script.answers = [answer]
+    with pytest.raises(RewardError, match=match) as error_info:
+        _client(url)(_images(2), _records(2))
+    assert f"{url}/score" in str(error_info.value)
+    assert len(script.requests) == 1  # not retried
+
+
+def test_the_request_follows_the_protocol(fake) -> None:
+    script, url = fake
+    script.answers = [(200, b'{"version": 1, "scores": [1, 2]}')]
+    scores = _client(url, reward="some_reward")(_images(2), _records(2))
+    assert scores.tolist() == [1.0, 2.0]
+    (body,) = script.requests
+    assert body["version"] == 1 and body["reward"] == "some_reward" and len(body["images"]) == 2
+    assert body["records"][1] | {"ref_image": None} == {
+        "instruction": "prompt 1 ✓",
+        "negative": "",
+        "ground_truth": "text 1",
+        "data_source": "test/source",
+        "ability": "",
+        "ref_image": None,
+        "split": "train",
+        "index": 1,
+    }
+    assert body["records"][1]["ref_image"] == "AgICAgI=" and body["records"][0]["ref_image"] is None
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"url": "127.0.0.1:8123"}, "http://"),
+        ({"url": "http://127.0.0.1:8123/score"}, "service root"),
+        ({"url": "http://127.0.0.1:8123", "batch_size": 0}, "batch_size"),
+        ({"url": "http://127.0.0.1:8123", "timeout_s": 0}, "timeout_s"),
+        ({"url": "http://127.0.0.1:8123", "retries": -1}, "retries"),
+        ({"url": "http://127.0.0.1:8123", "on_error": "skip"}, "on_error"),
+        ({"url": "http://127.0.0.1:8123", "api_key_env": "BOOGU_TEST_UNSET_KEY"}, "BOOGU_TEST_UNSET_KEY"),
+    ],
+)
+def test_bad_options_are_refused(options, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_reward("http", **options)
