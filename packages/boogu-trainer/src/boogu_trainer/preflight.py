@@ -574,23 +574,12 @@ def _restore(trainer: Trainer, s: _Saved) -> None:
 
 
 def preflight_due(trainer: Trainer) -> bool:
-    """Whether a run should start with the preflight: ``preflight`` on, a fresh run (step 0), not run yet,
-    and a single rank.
+    """Whether a run starts with the preflight: ``preflight`` on, a fresh run (step 0), not run yet.
 
-    On several ranks the checks are skipped with a warning for now: a 2-rank kill/resume test
-    showed that a run that had run the preflight and one resumed from its checkpoint end with
-    different EMA weights (the LoRA was equal), so something the preflight touches under FSDP is
-    not put back; until that is found, multi-rank runs keep their exact-resume guarantee instead.
+    On several ranks every rank runs the same probe (its collectives are named like the step's);
+    the 2-rank kill/resume and 2-ranks-equal-1-rank tests run with it and stay bitwise exact.
     """
-    if not trainer.config.preflight or trainer.step != 0 or trainer.preflight_report is not None:
-        return False
-    if trainer.dist.world_size > 1:
-        if trainer.dist.is_main:
-            logger.warning(
-                "preflight: skipped on %d ranks (single-rank only for now)", trainer.dist.world_size
-            )
-        return False
-    return True
+    return bool(trainer.config.preflight and trainer.step == 0 and trainer.preflight_report is None)
 
 
 def run_preflight(trainer: Trainer, *, raise_on_failure: bool = True) -> PreflightReport:
