@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import http.client
 import io
 import json
 import logging
@@ -36,14 +35,13 @@ from boogu_data import PromptRecord
 from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
 from boogu_trainer.rewards.vlm import (
-    _RETRYABLE_STATUS,
-    _DeadlineHTTPConnection,
-    _DeadlineHTTPSConnection,
     _endpoint,
     _excerpt,
     _is_int,
     _is_number,
+    _send_once,
 )
+from boogu_trainer.rewards.vlm import _TransientError as _Transient
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -63,10 +61,6 @@ PROTOCOL_VERSION = 1
 
 # PromptRecord fields holding bytes: base64 text on the wire.
 _BYTES_FIELDS = frozenset({"ref_image"})
-
-
-class _Transient(Exception):
-    """One attempt failed in a way a later attempt may not (message only; never leaves this module)."""
 
 
 # --- the protocol's encodings, shared with the server ---------------------------------------------
@@ -302,38 +296,10 @@ class HttpReward:
         )
 
     def _attempt(self, method: str, path: str, body: bytes | None, what: str) -> bytes:
-        endpoint = self._endpoints[path]
-        connection_class = _DeadlineHTTPSConnection if endpoint.https else _DeadlineHTTPConnection
-        connection = connection_class(
-            endpoint.host, endpoint.port, deadline=time.monotonic() + self.timeout_s
-        )
-        if endpoint.tunnel is not None:
-            connection.set_tunnel(*endpoint.tunnel, headers=dict(endpoint.proxy_headers))
-        waiting_for = "connection"
-        try:
-            connection.connect()
-            waiting_for = "answer"
-            connection.request(method, endpoint.target, body=body, headers=self._headers)
-            response = connection.getresponse()
-            raw = response.read()
-        except TimeoutError:
-            raise _Transient(
-                f"no {waiting_for} within {self.timeout_s:g} s (the deadline for connecting, sending "
-                "and reading the whole answer)"
-            ) from None
-        except (OSError, http.client.HTTPException) as error:
-            # Connection refused or reset, server closed mid-answer, truncated body: transient.
-            raise _Transient(f"{type(error).__name__}: {error}") from None
-        finally:
-            connection.close()
-        if 200 <= response.status < 300:
-            return raw
-        message = f"HTTP {response.status} {response.reason}: {_server_message(raw)}"
-        if response.status in _RETRYABLE_STATUS:
-            raise _Transient(message)
-        if 300 <= response.status < 400:
-            message += f" (redirects are not followed; Location: {response.getheader('Location')})"
-        raise RewardError(f"http reward: {method} {self.url}{path} was rejected for {what}: {message}")
+        raw = _send_once(self._endpoints[path], method, body, self._headers, self.timeout_s, _server_message)
+        if isinstance(raw, str):  # a 3xx/4xx refusal, described
+            raise RewardError(f"http reward: {method} {self.url}{path} was rejected for {what}: {raw}")
+        return raw
 
     def _parse(self, raw: bytes, method: str, path: str, what: str) -> Any:
         try:

@@ -28,6 +28,7 @@ import socket
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 class _TransientError(Exception):
-    """One attempt failed in a way a later attempt may not (message only; never leaves this module)."""
+    """One attempt failed in a way a later attempt may not (message only; the HTTP rewards retry it)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,51 @@ class _Endpoint:
     """(host, port) of the endpoint behind an HTTPS proxy tunnel; ``host``/``port`` are the proxy's."""
     proxy_headers: tuple[tuple[str, str], ...] = ()
     """Proxy-Authorization, when the proxy URL has credentials."""
+
+
+def _send_once(
+    endpoint: _Endpoint,
+    method: str,
+    body: bytes | None,
+    headers: dict[str, str],
+    timeout_s: float,
+    describe: Callable[[bytes], str],
+) -> bytes | str:
+    """One HTTP attempt under one deadline (connect, send and read the whole answer).
+
+    Returns the body of a 2xx answer, or a description of a refusal (3xx/4xx that are not worth
+    retrying, with ``describe(body)``); raises `_TransientError` for timeouts, connection errors and
+    retryable statuses. Shared by ``vlm_ocr`` and the ``http`` reward.
+    """
+    connection_class = _DeadlineHTTPSConnection if endpoint.https else _DeadlineHTTPConnection
+    connection = connection_class(endpoint.host, endpoint.port, deadline=time.monotonic() + timeout_s)
+    if endpoint.tunnel is not None:
+        connection.set_tunnel(*endpoint.tunnel, headers=dict(endpoint.proxy_headers))
+    waiting_for = "connection"
+    try:
+        connection.connect()
+        waiting_for = "answer"
+        connection.request(method, endpoint.target, body=body, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+    except TimeoutError:
+        raise _TransientError(
+            f"no {waiting_for} within {timeout_s:g} s (the deadline for connecting, sending "
+            "and reading the whole answer)"
+        ) from None
+    except (OSError, http.client.HTTPException) as error:
+        # Connection refused or reset, server closed mid-answer, truncated body: transient.
+        raise _TransientError(f"{type(error).__name__}: {error}") from None
+    finally:
+        connection.close()
+    if 200 <= response.status < 300:
+        return raw
+    message = f"HTTP {response.status} {response.reason}: {describe(raw)}"
+    if response.status in _RETRYABLE_STATUS:
+        raise _TransientError(message)
+    if 300 <= response.status < 400:
+        message += f" (redirects are not followed; Location: {response.getheader('Location')})"
+    return message
 
 
 @register_reward("vlm_ocr")
@@ -221,38 +267,10 @@ class VlmOcrReward(TranscriptionReward):
         )
 
     def _post_once(self, body: bytes, index: int) -> str:
-        endpoint = self._endpoint
-        connection_class = _DeadlineHTTPSConnection if endpoint.https else _DeadlineHTTPConnection
-        connection = connection_class(
-            endpoint.host, endpoint.port, deadline=time.monotonic() + self.timeout_s
-        )
-        if endpoint.tunnel is not None:
-            connection.set_tunnel(*endpoint.tunnel, headers=dict(endpoint.proxy_headers))
-        waiting_for = "connection"
-        try:
-            connection.connect()
-            waiting_for = "answer"
-            connection.request("POST", endpoint.target, body=body, headers=self._headers)
-            response = connection.getresponse()
-            raw = response.read()
-        except TimeoutError:
-            raise _TransientError(
-                f"no {waiting_for} within {self.timeout_s:g} s (the deadline for connecting, sending "
-                "and reading the whole answer)"
-            ) from None
-        except (OSError, http.client.HTTPException) as error:
-            # Connection refused or reset, server closed mid-answer, truncated body: transient.
-            raise _TransientError(f"{type(error).__name__}: {error}") from None
-        finally:
-            connection.close()
-        if 200 <= response.status < 300:
-            return self._parse(raw, index)
-        message = f"HTTP {response.status} {response.reason}: {_excerpt(raw)}"
-        if response.status in _RETRYABLE_STATUS:
-            raise _TransientError(message)
-        if 300 <= response.status < 400:
-            message += f" (redirects are not followed; Location: {response.getheader('Location')})"
-        raise RewardError(f"vlm_ocr: POST {self.url} was rejected for sample {index}: {message}")
+        raw = _send_once(self._endpoint, "POST", body, self._headers, self.timeout_s, _excerpt)
+        if isinstance(raw, str):  # a 3xx/4xx refusal, described
+            raise RewardError(f"vlm_ocr: POST {self.url} was rejected for sample {index}: {raw}")
+        return self._parse(raw, index)
 
     def _parse(self, raw: bytes, index: int) -> str:
         try:
