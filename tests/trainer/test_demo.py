@@ -1,5 +1,6 @@
-"""The built-in demo learns: its reward rises by more than twice the standard error, and falls
-when the advantage sign is flipped (the check that the sign convention is not silently wrong)."""
+"""The built-in demo learns: its reward rises by more than twice the standard error over its 30
+steps. (That it falls when the advantage's sign is flipped, for every algorithm, is checked in
+``test_algorithms.py`` on a few steps and a paired evaluation, far cheaper than a second demo.)"""
 
 from __future__ import annotations
 
@@ -13,13 +14,11 @@ from boogu_trainer.metrics import summarize_rewards
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sign", [1, -1])
-def test_demo_reward_moves_with_the_advantage_sign(sign, tiny_checkpoint, tmp_path):
+def test_demo_reward_rises(tiny_checkpoint, tmp_path):
     config = load_config(
         None,
         [
             f"model.path={tiny_checkpoint}",
-            f"algorithm.advantage_sign={sign}",
             f"logging.run_dir={tmp_path}",
             "logging.progress=false",
             "logging.sample_every=0",
@@ -35,7 +34,7 @@ def test_demo_reward_moves_with_the_advantage_sign(sign, tiny_checkpoint, tmp_pa
     assert all(0 < r["perf/mfu"] < 1 and r["perf/tflops_per_image"] > 0 for r in lines)
     s = summarize_rewards(history)
     assert s["window"] == 5
-    if sign > 0:
-        assert s["gain"] > 2 * s["stderr"], s
-    else:
-        assert -s["gain"] > 2 * s["stderr"], s
+    assert s["gain"] > 2 * s["stderr"], s
+    # The compute accounting of every step: forward-equivalents by phase and the run's totals.
+    assert all(r["fe/total_per_image"] == r["fe/rollout_per_image"] + r["fe/train_per_image"] for r in lines)
+    assert lines[-1]["cum/images"] == config.total_steps * 32 and lines[-1]["cum/fe"] > 0

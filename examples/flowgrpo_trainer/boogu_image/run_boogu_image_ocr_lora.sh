@@ -5,6 +5,8 @@
 #   NUM_GPUS=8 bash .../run_boogu_image_ocr_lora.sh sampler.guidance_scale=1.0     # no CFG: half the rollout cost
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash .../run_boogu_image_ocr_lora.sh     # on each node, NODE_RANK 0..NNODES-1
 #   ... resume=auto                                                                 # continue after a crash
+#   RECIPE=examples/diffusion_nft_trainer/boogu_image/boogu_image_ocr_lora.yaml bash .../run_boogu_image_ocr_lora.sh
+#                                                        # another algorithm's recipe (awm_trainer/, *_grpo_guard_*)
 #
 # Data: uv run python examples/flowgrpo_trainer/data_process/boogu_image_ocr.py \
 #           --input_dir ~/data/ocr --output_dir ~/data/ocr/boogu_image
@@ -17,11 +19,12 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 MODEL_PATH="${MODEL_PATH:-$HOME/models/Boogu/Boogu-Image-0.1-Base}"
+RECIPE="${RECIPE:-$HERE/boogu_image_ocr_lora.yaml}"
 
 # Fail fast on a bad recipe or override (prints the offending key), before any process starts.
-uv run trainer "$HERE/boogu_image_ocr_lora.yaml" "model.path=$MODEL_PATH" "$@" --print-config > /dev/null
+uv run trainer "$RECIPE" "model.path=$MODEL_PATH" "$@" --print-config > /dev/null
 
 exec uv run torchrun \
     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NUM_GPUS" \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
-    -m boogu_trainer "$HERE/boogu_image_ocr_lora.yaml" "model.path=$MODEL_PATH" "$@"
+    -m boogu_trainer "$RECIPE" "model.path=$MODEL_PATH" "$@"

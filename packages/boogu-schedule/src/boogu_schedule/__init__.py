@@ -8,10 +8,13 @@ Conventions (the contract of this package; every one has a test that fails if it
 * **Velocity.** Boogu predicts ``v_boogu = x0 - eps``. The SDE math uses ``v = eps - x0``:
   ``to_sde_velocity`` negates exactly once, after CFG and before the step.
 * **Guidance.** Text CFG is ``v_pos + (g - 1) * (v_pos - v_neg)`` on Boogu velocities, no renormalisation.
+* **Forward process.** Re-noising a clean sample is ``x_t = t * x0 + (1 - t) * eps`` and its
+  target is the raw ``x0 - eps`` (``forward_noise``, ``flow_target``; no negation there).
 * **Float32.** Everything that feeds a log-probability is float32; the step functions refuse other dtypes.
 * **Randomness** only through an explicit ``torch.Generator``; results are small frozen dataclasses.
 """
 
+from boogu_schedule.forward import flow_target, forward_noise, predict_x0, sample_sigmas
 from boogu_schedule.guidance import DEFAULT_GUIDANCE_SCALE, double_guidance, image_guidance, text_cfg
 from boogu_schedule.schedule import (
     BooguScheduleConfig,
@@ -59,12 +62,16 @@ __all__ = [
     "double_guidance",
     "euler_step_boogu",
     "fixed_window",
+    "flow_target",
+    "forward_noise",
     "full_window",
     "gaussian_kl",
     "image_guidance",
     "plan_windows",
+    "predict_x0",
     "progressive_window",
     "random_window",
+    "sample_sigmas",
     "sde_step",
     "sigma_from_time",
     "text_cfg",

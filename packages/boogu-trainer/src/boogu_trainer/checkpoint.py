@@ -11,6 +11,7 @@ Layout of ``checkpoints/step_000030/``:
   Upstream's loader drops the file's metadata and assumes ``lora_alpha == r``, so the peft scale
   ``alpha / r`` is multiplied into ``lora_B`` here (`diffusers_lora_state`).
 * ``ema.safetensors``: the EMA of the LoRA weights (when enabled), same keys as ``adapter_model``.
+* ``old_policy.safetensors``: DiffusionNFT's old (sampling) policy, same keys as ``adapter_model``.
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments and hyper-parameters, by parameter name.
 * ``rng.safetensors``: the torch RNG states.
 * ``trainer_state.json``: step, run id, data position, counters.
@@ -96,6 +97,8 @@ class CheckpointContents:
     config_yaml: str
     ema: dict[str, torch.Tensor] | None = None
     rng: dict[str, torch.Tensor] | None = None
+    old: dict[str, torch.Tensor] | None = None
+    """DiffusionNFT's old policy (file keys), or None."""
 
 
 # ---- RNG ------------------------------------------------------------------------------------------
@@ -171,6 +174,8 @@ def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> N
     (folder / "adapter_config.json").write_text(json.dumps(contents.lora_config, indent=2, sort_keys=True))
     if contents.ema is not None:
         save_file(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})
+    if contents.old is not None:
+        save_file(to_peft_keys(contents.old), folder / "old_policy.safetensors", metadata={"format": "pt"})
     save_file(contents.optimizer_tensors, folder / "optimizer.safetensors")
     (folder / "optimizer.json").write_text(json.dumps(contents.optimizer_meta, indent=2))
     rng = contents.rng or rng_state()
@@ -225,6 +230,7 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
             raise CheckpointError(f"{folder / name}: cannot be read ({error})") from error
 
     ema_path = folder / "ema.safetensors"
+    old_path = folder / "old_policy.safetensors"
     return CheckpointContents(
         lora=from_peft_keys(tensors("adapter_model.safetensors")),
         lora_config=json.loads((folder / "adapter_config.json").read_text()),
@@ -234,6 +240,7 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
         config_yaml=(folder / "config.yaml").read_text(),
         ema=from_peft_keys(tensors("ema.safetensors")) if ema_path.exists() else None,
         rng=tensors("rng.safetensors"),
+        old=from_peft_keys(tensors("old_policy.safetensors")) if old_path.exists() else None,
     )
 
 

@@ -167,7 +167,7 @@ class SamplerConfig:
     noise_level: float = 1.2
     """eta inside the window (the recipe's 1.2; 0.7 is gentler)."""
     window_size: int | None = 2
-    """Stochastic (trained) steps per rollout; null means every step but the last."""
+    """Stochastic (trained) steps per rollout; null means every step but the last; 0: ODE rollouts (diffusion_nft and awm only)."""
     window_range: tuple[int, int] = (0, 5)
     """The window lies inside [lo, hi) (the last step is always excluded)."""
     window_kind: Literal["random", "fixed", "progressive"] = "random"
@@ -192,7 +192,7 @@ class SamplerConfig:
             raise ConfigError(f"sampler.{e.field}={value!r}: {e}") from None
         _check(self.noise_level > 0, "sampler.noise_level", self.noise_level, "> 0")
         if self.window_size is not None:
-            _check(self.window_size >= 1, "sampler.window_size", self.window_size, ">= 1 or null")
+            _check(self.window_size >= 0, "sampler.window_size", self.window_size, ">= 0 or null")
         try:
             # The window rule lives in boogu_schedule (the rollouts apply the same checks).
             self.window_plan.validate(self.num_steps)
@@ -233,8 +233,81 @@ class RolloutConfig:
         )
 
 
+ALGORITHMS = ("flow_grpo", "diffusion_nft", "awm")
+FORWARD_PROCESS_ALGORITHMS = ("diffusion_nft", "awm")
+"""Algorithms that train on re-noised clean samples (any sampler, ODE rollouts included)."""
+
+
+@dataclass(frozen=True)
+class NftConfig:
+    beta: float = 1.0
+    """Implicit-policy strength: v+ = v_old + beta (v - v_old), v- = v_old - beta (v - v_old) (the paper's 1.0; 0.1 for OCR and several rewards)."""
+    timesteps: int | None = None
+    """Noise levels trained per sample and step; null: all rollout-schedule levels but one (the reference's 9 of 10)."""
+    time_sampling: Literal["schedule", "uniform"] = "schedule"
+    """'schedule': distinct levels of the rollout's schedule, permuted per sample (the reference); 'uniform': stratified in sigma_range."""
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+    """uniform time sampling: the noise levels sigma (1 = noise, 0 = data) to draw from."""
+    adaptive_weight: bool = True
+    """Divide each sample's x0-space error by its detached mean absolute error (the reference's adaptive weighting)."""
+    old_decay_start: int = 0
+    """Optimizer steps with old = current policy before the old policy starts lagging (75 in the reference's OCR recipe)."""
+    old_decay_rate: float = 0.001
+    """After old_decay_start, the old policy's decay grows by this per optimizer step: old <- d old + (1 - d) current."""
+    old_decay_max: float = 0.5
+    """Cap on that decay (0.5 in the reference's default, 0.999 for OCR; 0 keeps old = current)."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "algorithm.nft.")
+        _check(self.beta > 0, "algorithm.nft.beta", self.beta, "> 0")
+        if self.timesteps is not None:
+            _check(self.timesteps >= 1, "algorithm.nft.timesteps", self.timesteps, ">= 1 or null")
+        _check_sigma_range(self.sigma_range, "algorithm.nft.sigma_range")
+        _check(self.old_decay_start >= 0, "algorithm.nft.old_decay_start", self.old_decay_start, ">= 0")
+        _check(self.old_decay_rate >= 0, "algorithm.nft.old_decay_rate", self.old_decay_rate, ">= 0")
+        _check(0 <= self.old_decay_max < 1, "algorithm.nft.old_decay_max", self.old_decay_max, "in [0, 1)")
+
+    def old_decay(self, optimizer_steps: int) -> float:
+        """The decay d of the soft update after ``optimizer_steps`` optimizer steps."""
+        if optimizer_steps < self.old_decay_start:
+            return 0.0
+        return min((optimizer_steps - self.old_decay_start) * self.old_decay_rate, self.old_decay_max)
+
+
+@dataclass(frozen=True)
+class AwmConfig:
+    timesteps: int = 4
+    """Noise levels trained per sample and step."""
+    time_sampling: Literal["schedule", "uniform"] = "uniform"
+    """'uniform': stratified in sigma_range; 'schedule': distinct levels of the rollout's schedule."""
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+    """uniform time sampling: the noise levels sigma (1 = noise, 0 = data) to draw from."""
+    clip_range: float | None = None
+    """PPO clip on exp(log p - log p_old), log p = -mean((v - target)^2); null: no clip (plain advantage-weighted matching)."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "algorithm.awm.")
+        _check(self.timesteps >= 1, "algorithm.awm.timesteps", self.timesteps, ">= 1")
+        _check_sigma_range(self.sigma_range, "algorithm.awm.sigma_range")
+        if self.clip_range is not None:
+            _check(self.clip_range > 0, "algorithm.awm.clip_range", self.clip_range, "> 0 or null")
+
+
+def _check_sigma_range(value: tuple[float, float], key: str) -> None:
+    lo, hi = value
+    _check(0.0 <= lo < hi <= 1.0, key, list(value), "[lo, hi] with 0 <= lo < hi <= 1")
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
+    name: Literal["flow_grpo", "diffusion_nft", "awm"] = "flow_grpo"
+    """The learner: flow_grpo (policy gradient on SDE transitions), diffusion_nft or awm (losses on re-noised clean samples; ODE rollouts allowed)."""
+    loss: Literal["ppo_clip", "grpo_guard"] = "ppo_clip"
+    """flow_grpo's objective: PPO-clip, or GRPO-Guard (RatioNorm and per-step 1/|dt| reweighting; use clip_range ~2e-6)."""
+    nft: NftConfig = field(default_factory=NftConfig)
+    """diffusion_nft's options."""
+    awm: AwmConfig = field(default_factory=AwmConfig)
+    """awm's options."""
     group_size: int = 16
     """n: samples per prompt; advantages are normalised within each group."""
     std_scope: Literal["group", "batch"] = "batch"
@@ -250,7 +323,7 @@ class AlgorithmConfig:
     clip_range: float = 1e-4
     """PPO ratio clip epsilon (log-probs are per-element means, so it is tiny)."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference (base) model; 0 skips the reference pass."""
+    """Weight of the KL penalty to the reference (base) model; 0 skips the reference pass. diffusion_nft and awm: the velocity MSE mean((v - v_ref)^2) (the references' 1e-4)."""
     kl_kind: Literal["mean", "transition", "velocity"] = "mean"
     """'mean': flow_grpo's and verl-omni's KL on the transition means, mean((mu - mu_ref)^2) /
     (2 std_dev_t^2), 1/|dt| times smaller than the exact transition KL for flow_sde; 'transition':
@@ -502,6 +575,34 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.total_steps >= 1, "total_steps", self.total_steps, ">= 1")
+        a = self.algorithm
+        if a.name == "flow_grpo" and self.sampler.window_size == 0:
+            raise ConfigError(
+                "sampler.window_size=0: flow_grpo trains on the SDE window's transitions and needs at least "
+                "one; ODE rollouts (0) work with algorithm.name=diffusion_nft or awm"
+            )
+        if a.loss != "ppo_clip" and a.name != "flow_grpo":
+            raise ConfigError(
+                f"algorithm.loss={a.loss!r}: GRPO-Guard is a flow_grpo objective; "
+                f"algorithm.name={a.name!r} has its own loss (leave algorithm.loss=ppo_clip)"
+            )
+        if a.name == "diffusion_nft" and a.nft.time_sampling == "schedule":
+            levels = self.sampler.num_steps
+            wanted = a.nft.timesteps if a.nft.timesteps is not None else levels - 1
+            _check(
+                wanted <= levels,
+                "algorithm.nft.timesteps",
+                a.nft.timesteps,
+                f"<= sampler.num_steps ({levels})",
+            )
+        if a.name == "awm" and a.awm.time_sampling == "schedule":
+            levels = self.sampler.num_steps
+            _check(
+                a.awm.timesteps <= levels,
+                "algorithm.awm.timesteps",
+                a.awm.timesteps,
+                f"<= sampler.num_steps ({levels})",
+            )
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
         keys = _config_keys()
         for i, key in enumerate(self.resume_allow_changes):

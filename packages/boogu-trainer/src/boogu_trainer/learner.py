@@ -1,10 +1,16 @@
-"""The learner: FlowGRPO's policy update on one scored batch, the optimizer, the EMA.
+"""The learner: the policy update on one scored batch, the optimizer, the EMA, NFT's old policy.
 
-For each of ``inner_epochs`` passes and each mini-batch (the groups whose global index is ``m``
-modulo the number of mini-batches, so a run on several ranks updates on exactly the mini-batches
-a single rank would), every window step ``k`` is recomputed through the same step function as the
-rollout and contributes ``PPO-clip(exp(log p - log p_old), A) [+ beta KL]`` to a mean over the
-mini-batch's samples and the window's steps; then one AdamW step on the LoRA parameters.
+``algorithm.name`` picks the update:
+
+* ``flow_grpo``: for each of ``inner_epochs`` passes and each mini-batch (the groups whose global
+  index is ``m`` modulo the number of mini-batches, so a run on several ranks updates on exactly the
+  mini-batches a single rank would), every window step ``k`` is recomputed through the same step
+  function as the rollout and contributes ``PPO-clip(exp(log p - log p_old), A) [+ beta KL]`` (or
+  GRPO-Guard's, ``algorithm.loss``) to a mean over the mini-batch's samples and the window's steps;
+  then one AdamW step on the LoRA parameters.
+* ``diffusion_nft`` and ``awm``: the same mini-batches and optimizer steps, with losses on re-noised
+  clean samples (`boogu_trainer.forward_process`). DiffusionNFT's old policy is a second copy of
+  the LoRA, soft-updated after every update (``algorithm.nft.old_decay_*``); rollouts use it.
 
 Skips are collective-safe: under several ranks every rank runs the same forwards (FSDP
 collectives), and a non-finite loss or gradient on one rank skips the optimizer step on all. After
@@ -14,8 +20,10 @@ update is undone from a snapshot and reported, so the run can stop with the last
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +33,8 @@ from boogu_adapters.lora import adapter_config, is_lora_param, lora_file_key, lo
 from boogu_adapters.training import TrainingAdapter
 from boogu_trainer.config import TrainerConfig
 from boogu_trainer.distributed import DistEnv, full_tensor, local_tensor
-from boogu_trainer.losses import kl_to_reference, policy_loss
+from boogu_trainer.forward_process import ForwardProcessUpdate, PhaseCounter, nullphase, swapped
+from boogu_trainer.losses import grpo_guard_loss, kl_to_reference, policy_loss
 from boogu_trainer.rollout import ScoredBatch
 
 
@@ -67,10 +76,85 @@ class Learner:
             {k: v.float().clone() for k, v in self.full_lora().items()} if config.ema.enabled else None
         )
         self._snapshot: list[torch.Tensor] | None = None
+        self.count_as: PhaseCounter = nullphase
+        """Names the phase of the learner's extra forwards ('reference', 'old') for the FE accounting."""
+        self.old: list[torch.Tensor] | None = (
+            [p.detach().clone() for p in self.params] if config.algorithm.name == "diffusion_nft" else None
+        )
+        """DiffusionNFT's old (sampling) policy: one tensor per LoRA parameter, sharded like it."""
+        self.old_is_current = True
+        """The old policy equals the current one (no lag yet, or ``old_decay_max = 0``)."""
+        self.last_old_decay = 0.0
 
     # ---- the update --------------------------------------------------------------------------------
-    def update(self, batch: ScoredBatch) -> UpdateResult:
-        """Policy-gradient updates on one rollout batch.
+    def update(self, batch: ScoredBatch, step: int = 0) -> UpdateResult:
+        """The configured algorithm's update on one rollout batch (``step``: the training step, 0-based,
+        which seeds the forward-process algorithms' noise)."""
+        if self.config.algorithm.name == "flow_grpo":
+            return self._update_policy(batch)
+        result = ForwardProcessUpdate(self, batch, step).run()
+        if self.old is not None and result.weights_finite:
+            self._update_old()
+        return result
+
+    @contextlib.contextmanager
+    def sampling_policy(self) -> Iterator[None]:
+        """The module holds the rollout policy's weights inside the block: NFT's old policy when it lags."""
+        if self.old is None or self.old_is_current:
+            yield
+            return
+        with swapped([local_tensor(p.detach()) for p in self.params], [local_tensor(o) for o in self.old]):
+            yield
+
+    def _update_old(self) -> None:
+        """old <- d old + (1 - d) current, d from ``algorithm.nft`` and the optimizer steps so far."""
+        assert self.old is not None
+        d = self.config.algorithm.nft.old_decay(self.counters["optimizer_steps"])
+        local_old = [local_tensor(o) for o in self.old]
+        current = [local_tensor(p.detach()) for p in self.params]
+        with torch.no_grad():
+            if d == 0.0:
+                torch._foreach_copy_(local_old, current)
+            else:
+                torch._foreach_mul_(local_old, d)
+                torch._foreach_add_(local_old, current, alpha=1.0 - d)
+        self.old_is_current = d == 0.0
+        self.counters["old_lags"] = int(d != 0.0)
+        self.last_old_decay = d
+
+    def old_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole old policy by LoRA file key (a collective under FSDP), or None."""
+        if self.old is None:
+            return None
+        return {
+            lora_file_key(name): full_tensor(o).detach()
+            for name, o in zip(self.param_names, self.old)
+            if is_lora_param(name)
+        }
+
+    def optimizer_step(self, bad_loss: torch.Tensor, acc: dict[str, list]) -> str:
+        """Clip, check, step: 'ok', 'skipped' (a non-finite loss or gradient) or 'undone' (non-finite weights)."""
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip))
+        # The one read before the step: were the losses and the gradients finite?
+        bad, norm = torch.stack([bad_loss.float(), grad_norm.float().reshape(())]).tolist()
+        if self.dist.any(bad > 0, self.device, "agree on a non-finite loss"):
+            self.optimizer.zero_grad(set_to_none=True)
+            return "skipped"
+        acc["grad_norm"].append(norm)
+        if not math.isfinite(norm):
+            self.counters["nonfinite_grad_norm"] += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return "skipped"
+        self._take_snapshot()
+        self.optimizer.step()
+        self.counters["optimizer_steps"] += 1
+        if not self._weights_finite():
+            self._restore_snapshot()
+            return "undone"
+        return "ok"
+
+    def _update_policy(self, batch: ScoredBatch) -> UpdateResult:
+        """FlowGRPO's policy-gradient updates on one rollout batch.
 
         Inside the loops over mini-batches, micro-batches and window steps nothing is read back from
         the device; each optimizer step makes two host reads (whether the losses and the gradient norm
@@ -88,7 +172,7 @@ class Learner:
             batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages)
         )
         if not bool(batch.global_advantages.finite.any()):
-            return self._finish(acc, logprob_diff, finite=False)
+            return self.finish(acc, logprob_diff, finite=False)
         host_advantages = advantages.cpu()  # once per update, before the loops
         groups = traj.batch_size // n
         num_mb = min(a.mini_batches, groups)
@@ -114,31 +198,16 @@ class Learner:
                     logprob_diff,
                     first=epoch == 0 and mb == 0,
                 )
-                grad_norm = full_tensor(
-                    torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip)
-                )
-                # The one read before the step: were the losses and the gradients finite?
-                bad, norm = torch.stack([bad_loss.float(), grad_norm.float().reshape(())]).tolist()
-                if self.dist.any(bad > 0, self.device, "agree on a non-finite loss"):
-                    all_finite = False
-                    self.optimizer.zero_grad(set_to_none=True)
-                    continue
-                acc["grad_norm"].append(norm)
-                if not math.isfinite(norm):
-                    self.counters["nonfinite_grad_norm"] += 1
-                    self.optimizer.zero_grad(set_to_none=True)
+                status = self.optimizer_step(bad_loss, acc)
+                if status == "skipped":
                     all_finite = False
                     continue
-                self._take_snapshot()
-                self.optimizer.step()
-                self.counters["optimizer_steps"] += 1
-                if not self._weights_finite():
-                    self._restore_snapshot()
+                if status == "undone":
                     weights_finite = False
                     break
             if not weights_finite:
                 break
-        return self._finish(acc, logprob_diff, finite=all_finite, weights_finite=weights_finite)
+        return self.finish(acc, logprob_diff, finite=all_finite, weights_finite=weights_finite)
 
     def micro_batches(self, rows: torch.Tensor) -> list[list[int]]:
         """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
@@ -180,15 +249,28 @@ class Learner:
                     logprob_diff[k] = (
                         diff if logprob_diff[k] is None else torch.maximum(logprob_diff[k], diff)
                     )
-                pl = policy_loss(stats.log_prob, old, chunk_advantages, a.clip_range)
+                step = self.adapter.rows(traj.step_index, chunk)[:, k]
+                dt = traj.sigmas[step + 1] - traj.sigmas[step]
+                if a.loss == "grpo_guard":
+                    old_mean = self.adapter.rows(traj.mean, chunk)[:, k]
+                    pl = grpo_guard_loss(
+                        stats.log_prob,
+                        old,
+                        stats.mean,
+                        old_mean,
+                        stats.std,
+                        dt,
+                        chunk_advantages,
+                        a.clip_range,
+                    )
+                else:
+                    pl = policy_loss(stats.log_prob, old, chunk_advantages, a.clip_range)
                 loss = pl.loss
                 if a.kl_coef > 0:
-                    with torch.no_grad():
+                    with torch.no_grad(), self.count_as("reference"):
                         ref = self.adapter.step_stats(
                             self.transformer, traj, k, index=chunk, use_adapters=False
                         )
-                    step = self.adapter.rows(traj.step_index, chunk)[:, k]
-                    dt = traj.sigmas[step + 1] - traj.sigmas[step]
                     kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, a.kl_kind, traj.sampler).mean()
                     loss = loss + a.kl_coef * kl
                     add("kl_ref", kl, share)
@@ -202,7 +284,8 @@ class Learner:
             acc[key].append(value)
         return bad
 
-    def _finish(self, acc, logprob_diff, *, finite: bool, weights_finite: bool = True) -> UpdateResult:
+    def finish(self, acc, logprob_diff, *, finite: bool, weights_finite: bool = True) -> UpdateResult:
+        """The update's metrics, read from the device once."""
         self.transformer.eval()
         out: dict[str, Any] = {}
         on_device: list[tuple[str, torch.Tensor]] = []
@@ -291,8 +374,10 @@ class Learner:
         optimizer_meta: dict[str, Any],
         ema: dict[str, torch.Tensor] | None,
         counters: dict[str, int],
+        old: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Put a checkpoint's LoRA (float32), AdamW state, EMA and counters back (also into FSDP2 shards)."""
+        """Put a checkpoint's LoRA (float32), AdamW state, EMA, NFT old policy and counters back (also
+        into FSDP2 shards)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -311,6 +396,20 @@ class Learner:
                 f"checkpoint LoRA keys do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
         opts = StateDictOptions(full_state_dict=True, strict=False)
+        if self.old is not None:
+            if old is None:
+                raise ValueError(
+                    "algorithm.name=diffusion_nft but the checkpoint has no old policy (old_policy.safetensors)"
+                )
+            if set(old) != set(lora):
+                raise ValueError("the checkpoint's old policy has other LoRA keys than its LoRA")
+            # Through the module, so the values land in this rank's shards like the LoRA's own.
+            old_sd = {by_file_key[k]: v.to(device=self.device, dtype=torch.float32) for k, v in old.items()}
+            set_model_state_dict(self.transformer, old_sd, options=opts)
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [local_tensor(o) for o in self.old], [local_tensor(p.detach()) for p in self.params]
+                )
         model_sd = {by_file_key[k]: v.to(device=self.device, dtype=torch.float32) for k, v in lora.items()}
         set_model_state_dict(self.transformer, model_sd, options=opts)
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -335,3 +434,4 @@ class Learner:
                 raise ValueError("ema.enabled=true but the checkpoint has no EMA weights")
             self.ema = {k: v.float().to(self.device) for k, v in ema.items()}
         self.counters = defaultdict(int, counters)
+        self.old_is_current = not self.counters.get("old_lags", 0)

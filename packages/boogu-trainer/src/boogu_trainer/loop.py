@@ -43,8 +43,15 @@ from boogu_trainer.distributed import DistEnv, shard_transformer
 from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker
 from boogu_trainer.faults import fault_point
 from boogu_trainer.learner import Learner, UpdateResult
-from boogu_trainer.metrics import ForwardCounter, MetricsLogger, StepTimer, plot_reward_curve, sample_grid
-from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf
+from boogu_trainer.metrics import (
+    ForwardCounter,
+    MetricsLogger,
+    StepTimer,
+    forward_equivalents,
+    plot_reward_curve,
+    sample_grid,
+)
+from boogu_trainer.perf import FlopMeter, _unwrap, peak_tflops, step_perf
 from boogu_trainer.preflight import PreflightReport, lora_targets_error, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.rollout import RolloutScorer, ScoredBatch
@@ -151,6 +158,9 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
         self.evaluator = Evaluator(config, self.engine, self.rewards, self.dist, val)
         self.forwards = ForwardCounter(self.transformer)
+        self.learner.count_as = self.forwards.counting
+        self.totals: dict[str, float] = {"fe": 0, "backward": 0, "tflops": 0.0, "images": 0, "time_s": 0.0}
+        """Cumulative compute of the run, all ranks (``cum/*`` metrics; kept in the checkpoints)."""
         self.flop_meter = FlopMeter(self.transformer, attention_recompute=self.device.type == "cuda")
         self._peak_tflops: float | None = None
         self.metrics: MetricsLogger | None = None
@@ -287,11 +297,12 @@ class Trainer:
             timer("rollout"),
             self.forwards.counting("rollout"),
             self.dist.collective(f"rollout, step {step}"),
+            self.learner.sampling_policy(),  # DiffusionNFT rolls out with its old policy
         ):
             batch = self.rollout.run(records[lo:hi], group_offset=lo, step=self.step)
         fault_point("after_rollout", step, self.dist.rank)
         with timer("train"), self.forwards.counting("train"), self.dist.collective(f"update, step {step}"):
-            update = self.learner.update(batch)
+            update = self.learner.update(batch, step=self.step)
         fault_point("after_update", step, self.dist.rank)
         with timer("sync"), self.dist.collective(f"weight sync, step {step}"):
             self.publish_weights(version=step)
@@ -310,8 +321,33 @@ class Trainer:
                 "weights_version": self.engine.weights_version,
             }
         )
-        metrics.update(self._perf(metrics["time/step"], batch.trajectory.batch_size))
+        perf = self._perf(metrics["time/step"], batch.trajectory.batch_size)
+        metrics.update(perf)
+        metrics.update(
+            self._compute_metrics(forwards, perf, batch.trajectory.batch_size, metrics["time/step"])
+        )
+        if self.learner.old is not None:
+            metrics["nft/old_decay"] = self.learner.last_old_decay
         return StepResult(metrics=metrics, batch=batch)
+
+    def _compute_metrics(
+        self, forwards: dict[str, int], perf: dict[str, float], images: int, seconds: float
+    ) -> dict[str, float]:
+        """Forward-equivalents per image by phase (this rank), and the run's cumulative totals (all
+        ranks), so that curves can be drawn against compute as well as steps."""
+        fe = forward_equivalents(forwards, checkpointing=self._checkpointing())
+        out = {f"fe/{k}_per_image": v / max(images, 1) for k, v in fe.items()}
+        step_tflops = perf.get("perf/tflops", 0.0) * seconds  # this rank's TFLOP of the step
+        local = torch.tensor([fe["total"], fe["backward"], step_tflops, images], dtype=torch.float64)
+        total = self.dist.all_reduce_sum(local.to(self.device), "compute totals").cpu().tolist()
+        for key, value in zip(("fe", "backward", "tflops", "images"), total):
+            self.totals[key] += value
+        self.totals["time_s"] += seconds
+        out.update({f"cum/{k}": float(v) for k, v in self.totals.items()})
+        return out
+
+    def _checkpointing(self) -> bool:
+        return bool(getattr(_unwrap(self.transformer), "gradient_checkpointing", False))
 
     def _perf(self, step_seconds: float, local_images: int) -> dict[str, float]:
         """This rank's model FLOPs of the step, its MFU against this device's peak, per image."""
@@ -325,12 +361,19 @@ class Trainer:
         it (the EMA, an engine with its own copy), and then kept for a checkpoint of the same step."""
         needs_full = self.learner.ema is not None or self.engine.needs_lora_state
         full = self.learner.full_lora() if needs_full else None
-        self.engine.sync_weights(
-            version, full if self.engine.needs_lora_state else None, module=self.transformer
-        )
+        self.engine.sync_weights(version, self._rollout_lora(full), module=self.transformer)
         if full is not None:
             self.learner.update_ema(full)
         self._gathered = (version, full)
+
+    def _rollout_lora(self, full: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """What an engine with its own copy of the weights rolls out with: the LoRA, or NFT's old
+        policy while it lags (an engine sharing the module gets None: `Learner.sampling_policy`)."""
+        if not self.engine.needs_lora_state:
+            return None
+        if self.learner.old is not None and not self.learner.old_is_current:
+            return self.learner.old_state()
+        return full if full is not None else self.learner.full_lora()
 
     def _full_lora(self) -> dict[str, torch.Tensor]:
         """The whole LoRA as published this step, or gathered now (a collective under FSDP)."""
@@ -420,10 +463,14 @@ class Trainer:
                 "counters": dict(self.learner.counters),
                 "weights_version": self.engine.weights_version,
                 "gold": self.gold.state_dict(),
+                "totals": dict(self.totals),
             },
             config_yaml=yaml.safe_dump(config_to_dict(self.config), sort_keys=False),
             ema=None if ema is None else {k: v.cpu() for k, v in ema.items()},
             rng=ckpt.rng_state(),
+            old=None
+            if self.learner.old is None
+            else {k: v.float().cpu() for k, v in self.learner.old_state().items()},
         )
 
     def load_state_dict(self, contents: ckpt.CheckpointContents) -> None:
@@ -434,7 +481,9 @@ class Trainer:
             contents.optimizer_meta,
             contents.ema,
             state["counters"],
+            old=contents.old,
         )
+        self.totals.update(state.get("totals", {}))
         self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
         self.step = int(state["step"])
         self.data.load_state_dict(state["data"])
@@ -444,11 +493,7 @@ class Trainer:
         if contents.rng is not None:
             ckpt.set_rng_state(contents.rng)
         version = max(int(state["weights_version"]), 1)
-        self.engine.sync_weights(
-            version,
-            self.learner.full_lora() if self.engine.needs_lora_state else None,
-            module=self.transformer,
-        )
+        self.engine.sync_weights(version, self._rollout_lora(None), module=self.transformer)
 
     def save(self, step: int | None = None) -> Path:
         with self.dist.collective("checkpoint gather"):

@@ -1,17 +1,24 @@
-"""The FlowGRPO objective: PPO-clip on per-step log-probability ratios, plus an optional KL.
+"""The learners' objectives.
 
-``ratio = exp(log p_new - log p_old)`` with per-element-mean Gaussian log-densities (which is why
-clip ranges are ~1e-4), ``loss = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps)))``
-(Flow-GRPO, Liu et al. 2025; verl-omni ``FlowGRPOLoss``).
+* FlowGRPO (`policy_loss`): PPO-clip on per-step log-probability ratios
+  ``ratio = exp(log p_new - log p_old)`` with per-element-mean Gaussian log-densities (which is why
+  clip ranges are ~1e-4), ``loss = mean(max(-A ratio, -A clamp(ratio, 1 - eps, 1 + eps)))``
+  (Flow-GRPO, Liu et al. 2025; verl-omni ``FlowGRPOLoss``), plus an optional KL (`kl_to_reference`).
+* GRPO-Guard (`grpo_guard_loss`, Wang et al. 2025): the same clipped objective on a RatioNorm'd
+  ratio, reweighted by ``1/|dt|`` per step.
+* DiffusionNFT (`nft_loss`, Zheng et al. 2025) and AWM (`awm_log_prob` + `awm_loss`, Xue et al.
+  2025): losses on the velocity at re-noised clean samples, in Boogu's conventions
+  (``boogu_schedule.forward``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from boogu_schedule import Sampler, gaussian_kl
+from boogu_schedule import Sampler, gaussian_kl, predict_x0
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,143 @@ def policy_loss(
             "approx_kl": ((r - 1) - log_ratio.detach()).mean(),
         }
     return PolicyLoss(loss=loss, metrics=metrics)
+
+
+def grpo_guard_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    std: torch.Tensor,
+    dt: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+) -> PolicyLoss:
+    """GRPO-Guard for one window step: RatioNorm, then PPO-clip reweighted by ``1/|dt|``.
+
+    Per sample, with ``s`` the transition's total std (``sigma_t sqrt(-dt)``)::
+
+        b     = mean((mu - mu_old)^2) / (2 s^2)       # minus the mean log-ratio under the old policy
+        rho   = exp((log p - log p_old + b) * s)      # centred, and scaled to a comparable spread per step
+        loss  = mean(max(-A rho, -A clamp(rho, 1 - eps, 1 + eps)) / |dt|)
+
+    ``mean``, ``old_mean``: (b, C, h, w) float32; ``std``, ``dt``, the log-probs, ``advantages``: (b,).
+    Per sample rather than with batch means (verl-omni's ``GRPOGuardLoss`` averages ``s`` and ``dt``
+    over the micro-batch): samples of one micro-batch may sit at different steps of their windows.
+    On-policy (``mu = mu_old``) ``rho`` is exactly 1, as for PPO-clip.
+    """
+    dims = tuple(range(1, mean.dim()))
+    s = std.reshape(-1)
+    bias = (mean - old_mean.detach()).pow(2).mean(dim=dims) / (2 * s.pow(2))
+    log_ratio = log_prob - old_log_prob.detach()
+    ratio = torch.exp((log_ratio + bias) * s)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = (torch.maximum(unclipped, clipped) / dt.abs().reshape(-1)).mean()
+    with torch.no_grad():
+        r = ratio.detach()
+        raw = torch.exp(log_ratio.detach())
+        metrics = {
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
+            "clipfrac": ((r - 1).abs() > clip_range).float().mean(),
+            "clipfrac_upper": (r > 1 + clip_range).float().mean(),
+            "clipfrac_lower": (r < 1 - clip_range).float().mean(),
+            "approx_kl": ((raw - 1) - log_ratio.detach()).mean(),
+            "guard/raw_ratio_mean": raw.mean(),
+            "guard/bias_mean": bias.detach().mean(),
+        }
+    return PolicyLoss(loss=loss, metrics=metrics)
+
+
+def _sample_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=tuple(range(1, x.dim())))
+
+
+def nft_loss(
+    velocity: torch.Tensor,
+    old_velocity: torch.Tensor,
+    x_sigma: torch.Tensor,
+    x0: torch.Tensor,
+    sigma: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    beta: float,
+    adv_clip: float,
+    adaptive_weight: bool = True,
+) -> PolicyLoss:
+    """DiffusionNFT's loss at one noise level: implicit positive and negative policies in x0 space.
+
+    ``velocity`` (with grad) and ``old_velocity`` are Boogu velocities ``x0 - eps`` at ``x_sigma``
+    (the clean latent ``x0`` re-noised to ``sigma``), all float32 ``(b, C, h, w)``::
+
+        v+ = v_old + beta (v - v_old)          v- = v_old - beta (v - v_old)
+        r  = clamp(A / (2 adv_clip) + 1/2, 0, 1)          # the optimality probability
+        L  = adv_clip * mean(r |x0(v+) - x0|^2 / w+ + (1 - r) |x0(v-) - x0|^2 / w-) / beta
+
+    with ``x0(v) = x_sigma + sigma v`` and ``w`` the detached per-sample mean absolute x0 error
+    (``adaptive_weight``; else 1). A sample with A > 0 pulls v+ toward the target, one with A < 0
+    pulls v- there, i.e. pushes v away from it by the same amount.
+    """
+    old = old_velocity.detach()
+    positive = old + beta * (velocity - old)
+    negative = old - beta * (velocity - old)
+
+    def error(v: torch.Tensor) -> torch.Tensor:
+        diff = predict_x0(x_sigma, v, sigma) - x0
+        err = _sample_mean(diff.pow(2))
+        if adaptive_weight:
+            err = err / _sample_mean(diff.detach().abs()).clamp(min=1e-5)
+        return err
+
+    r = (advantages / (2 * adv_clip) + 0.5).clamp(0.0, 1.0)
+    per_sample = r * error(positive) + (1 - r) * error(negative)
+    loss = adv_clip * per_sample.mean() / beta
+    with torch.no_grad():
+        metrics = {
+            "nft/r_mean": r.mean(),
+            "nft/old_deviation": _sample_mean((velocity.detach() - old).pow(2)).mean(),
+            "nft/x0_error": _sample_mean((predict_x0(x_sigma, velocity.detach(), sigma) - x0).pow(2)).mean(),
+        }
+    return PolicyLoss(loss=loss, metrics=metrics)
+
+
+def awm_log_prob(velocity: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """AWM's per-sample log-likelihood surrogate: ``-mean((v - target)^2)``, (b,) float32."""
+    return -_sample_mean((velocity - target).pow(2))
+
+
+def awm_loss(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float | None
+) -> PolicyLoss:
+    """AWM at one noise level: ``-A exp(log p - log p_old)``, PPO-clipped when ``clip_range`` is set.
+
+    Its gradient at ``log p = log p_old`` is ``A * grad mean((v - target)^2)``: the pretraining
+    flow-matching loss weighted by the advantage.
+    """
+    log_ratio = log_prob - old_log_prob.detach()
+    ratio = torch.exp(log_ratio)
+    objective = -advantages * ratio
+    if clip_range is not None:
+        clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+        objective = torch.maximum(objective, clipped)
+    loss = objective.mean()
+    with torch.no_grad():
+        r = ratio.detach()
+        eps = clip_range if clip_range is not None else math.inf
+        metrics = {
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
+            "clipfrac": ((r - 1).abs() > eps).float().mean(),
+            "approx_kl": ((r - 1) - log_ratio.detach()).mean(),
+            "awm/fm_loss": -log_prob.detach().mean(),
+        }
+    return PolicyLoss(loss=loss, metrics=metrics)
+
+
+def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:
+    """(b,) the forward-process algorithms' penalty to the base model: ``mean((v - v_ref)^2)``."""
+    return _sample_mean((velocity - ref_velocity.detach()).pow(2))
 
 
 def kl_to_reference(

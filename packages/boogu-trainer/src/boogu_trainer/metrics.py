@@ -131,6 +131,9 @@ class StepTimer:
 class ForwardCounter:
     """Counts transformer sample-forwards (batch rows per call of the root module), per phase.
 
+    Forwards under grad mode are also counted as ``"<phase>:grad"``: each is followed by one
+    backward of the same rows (see `forward_equivalents`).
+
     A forward pre-hook on the root module sees every call the rollout engine and the training
     adapter make (gradient checkpointing re-runs blocks, not the root, so it is not counted twice).
     """
@@ -143,6 +146,8 @@ class ForwardCounter:
     def _hook(self, module, args, kwargs) -> None:
         x = args[0] if args else kwargs.get("hidden_states")
         self.counts[self.phase] += int(x.shape[0])
+        if torch.is_grad_enabled():  # a forward that a backward will follow: counted as ``phase:grad`` too
+            self.counts[f"{self.phase}:grad"] += int(x.shape[0])
 
     @contextlib.contextmanager
     def counting(self, phase: str) -> Iterator[None]:
@@ -160,6 +165,27 @@ class ForwardCounter:
 
     def close(self) -> None:
         self._handle.remove()
+
+
+def forward_equivalents(counts: dict[str, int], *, checkpointing: bool) -> dict[str, int]:
+    """One step's compute in forward-equivalents (FE) from `ForwardCounter` counts, per phase.
+
+    A sample-forward is 1 FE; its backward is 2 (the usual 2x of the forward's FLOPs) plus 1 more
+    for the recomputed forward with activation checkpointing. ``train`` is the update's forwards
+    with their backwards; ``reference`` (KL) and ``old`` (an old policy's values) are its extra
+    no-grad forwards; ``total`` adds the rollout.
+    """
+    backward = sum(v for k, v in counts.items() if k.endswith(":grad"))
+    train = counts.get("train", 0) + (3 if checkpointing else 2) * backward
+    out = {
+        "rollout": counts.get("rollout", 0),
+        "train": train,
+        "reference": counts.get("reference", 0),
+        "old": counts.get("old", 0),
+        "backward": backward,
+    }
+    out["total"] = out["rollout"] + out["train"] + out["reference"] + out["old"]
+    return out
 
 
 def plot_reward_curve(history: Sequence[dict[str, Any]], path: Path, reward_keys: Sequence[str]) -> None:

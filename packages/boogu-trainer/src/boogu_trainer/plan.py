@@ -437,7 +437,7 @@ def plan_memory(
     (x2 with CFG).
     """
     from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
-    from boogu_trainer.config import resolved_model_dtype
+    from boogu_trainer.config import FORWARD_PROCESS_ALGORITHMS, resolved_model_dtype
 
     m = config.model
     if m.path:
@@ -482,7 +482,20 @@ def plan_memory(
     p = int(tcfg.get("patch_size", 2))
     grid = (s.height // 8 // p, s.width // 8 // p)
     cfg_rows = 2 if s.guidance_scale > 1.0 and config.rollout.cfg_mode == "batched" else 1
-    per_rank = max(config.data.prompts_per_step * config.algorithm.group_size // world_size, 1)
+    a = config.algorithm
+    forward_process = a.name in FORWARD_PROCESS_ALGORITHMS
+    train_rows = 1 if forward_process else cfg_rows  # NFT and AWM train the conditional velocity only
+    per_rank = max(config.data.prompts_per_step * a.group_size // world_size, 1)
+    if forward_process:
+        opts = a.nft if a.name == "diffusion_nft" else a.awm
+        levels = opts.timesteps if opts.timesteps is not None else s.num_steps - 1
+        latent = int(tcfg.get("in_channels", 16)) * (s.height // 8) * (s.width // 8) * 4
+        if a.name == "diffusion_nft":
+            plan.static["NFT old policy (LoRA copy)"] = lora_params * 4 / shard
+            # worst case: every sample's old velocity at every level, computed before the first step
+            plan.static[f"NFT old velocities ({per_rank} samples x {levels} levels)"] = (
+                per_rank * levels * latent
+            )
     rollout_items = config.rollout.micro_batch_size or per_rank
     mini = max(per_rank // config.algorithm.mini_batches, 1)
     train_items = config.algorithm.train_micro_batch_size or mini
@@ -494,7 +507,7 @@ def plan_memory(
 
     fixed, per = _linear_fit(act(False, model), cfg_rows)
     plan.phases["rollout"] = PhaseMemory("rollout", fixed, per, rollout_items, "latents per call")
-    fixed, per = _linear_fit(act(True, model), cfg_rows)
+    fixed, per = _linear_fit(act(True, model), train_rows)
     plan.phases["train"] = PhaseMemory(
         "train",
         fixed,
@@ -503,7 +516,7 @@ def plan_memory(
         "samples per micro-batch" + (" (checkpointed)" if checkpointing else ""),
     )
     other = _build_transformer(tcfg, dtype, rank, targets, not checkpointing)
-    fixed, per = _linear_fit(act(True, other), cfg_rows)
+    fixed, per = _linear_fit(act(True, other), train_rows)
     plan.train_without_checkpointing = PhaseMemory(
         f"train, checkpointing {'off' if checkpointing else 'on'} (not used)",
         fixed,
@@ -518,7 +531,8 @@ def plan_memory(
     plan.phases["text encoder"] = PhaseMemory("text encoder", fixed, per, prompts, "prompt rows")
     plan.notes.append(
         f"{text_tokens} instruction tokens assumed per prompt; target {s.height}x{s.width} "
-        f"({grid[0] * grid[1]} tokens); CFG x{cfg_rows} sample-forwards per latent/sample"
+        f"({grid[0] * grid[1]} tokens); CFG x{cfg_rows} sample-forwards per rollout latent, "
+        f"x{train_rows} per training sample"
     )
     if folder_note:
         plan.notes.append(folder_note)

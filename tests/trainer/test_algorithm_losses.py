@@ -1,0 +1,181 @@
+"""The objectives of GRPO-Guard, DiffusionNFT and AWM on hand-made tensors (no model).
+
+Each direction test fails if a sign is flipped: a positive advantage must pull the policy's
+velocity toward the flow-matching target (or keep a ratio-1 step a plain -A step), a negative one
+away from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from boogu_schedule import flow_target, forward_noise
+from boogu_trainer.config import ConfigError, NftConfig, load_config
+from boogu_trainer.losses import awm_log_prob, awm_loss, grpo_guard_loss, nft_loss, policy_loss, velocity_kl
+
+
+def _batch(b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(b, 4, 4, 4, generator=g)
+    eps = torch.randn(b, 4, 4, 4, generator=g)
+    sigma = torch.rand(b, generator=g) * 0.8 + 0.1
+    return x0, eps, sigma, forward_noise(x0, eps, sigma)
+
+
+def _toward_target(loss_fn, v, target):
+    """d loss along the direction that moves v toward the target (negative: the loss prefers it)."""
+    v = v.clone().requires_grad_(True)
+    loss_fn(v).backward()
+    return float((v.grad * (target - v.detach())).sum())
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_nft_positive_advantage_pulls_toward_the_target_negative_pushes_away(adaptive):
+    x0, eps, sigma, x = _batch()
+    target = flow_target(x0, eps)
+    v_old = target + 0.3 * torch.randn_like(target)
+    for a, expect in ((3.0, -1), (-3.0, +1)):
+        adv = torch.full((4,), a)
+        # the current policy a little off the old one, so that the loss is not at a stationary point
+        v = v_old + 0.05 * torch.randn_like(v_old)
+
+        def loss(v_, adv=adv):
+            return nft_loss(
+                v_, v_old, x, x0, sigma, adv, beta=1.0, adv_clip=5.0, adaptive_weight=adaptive
+            ).loss
+
+        assert math.copysign(1, _toward_target(loss, v, target)) == expect
+
+
+def test_nft_at_the_oracle_velocity_has_zero_positive_error():
+    x0, eps, sigma, x = _batch()
+    target = flow_target(x0, eps)
+    out = nft_loss(
+        target, target, x, x0, sigma, torch.full((4,), 5.0), beta=1.0, adv_clip=5.0, adaptive_weight=False
+    )
+    assert float(out.loss) < 1e-10 and float(out.metrics["nft/r_mean"]) == 1.0
+
+
+def test_nft_optimality_probability_is_the_clipped_affine_advantage():
+    x0, eps, sigma, x = _batch()
+    v = flow_target(x0, eps)
+    adv = torch.tensor([-5.0, 0.0, 2.5, 5.0])
+    out = nft_loss(v, v, x, x0, sigma, adv, beta=0.1, adv_clip=5.0)
+    assert float(out.metrics["nft/r_mean"]) == pytest.approx((0.0 + 0.5 + 0.75 + 1.0) / 4)
+
+
+def test_awm_gradient_on_policy_is_the_advantage_weighted_flow_matching_gradient():
+    x0, eps, _, _ = _batch()
+    target = flow_target(x0, eps)
+    v = (target + 0.2 * torch.randn_like(target)).requires_grad_(True)
+    adv = torch.tensor([1.5, -0.5, 2.0, -3.0])
+    log_prob = awm_log_prob(v, target)
+    awm_loss(log_prob, log_prob.detach(), adv, clip_range=None).loss.backward()
+    plain = v.detach().clone().requires_grad_(True)
+    (adv * (plain - target).pow(2).mean(dim=(1, 2, 3))).mean().backward()
+    torch.testing.assert_close(v.grad, plain.grad)
+    for a, expect in ((2.0, -1), (-2.0, +1)):
+        adv = torch.full((4,), a)
+
+        def loss(v_, adv=adv):
+            lp = awm_log_prob(v_, target)
+            return awm_loss(lp, lp.detach(), adv, clip_range=None).loss
+
+        assert math.copysign(1, _toward_target(loss, v.detach(), target)) == expect
+
+
+def test_awm_clip_stops_the_gradient_outside_the_trust_region():
+    lp_old = torch.zeros(2)
+    lp = torch.tensor([0.5, -0.5], requires_grad=True)  # ratios e^0.5 and e^-0.5
+    out = awm_loss(lp, lp_old, torch.tensor([1.0, -1.0]), clip_range=0.1)
+    out.loss.backward()
+    assert torch.equal(lp.grad, torch.zeros(2)) and float(out.metrics["clipfrac"]) == 1.0
+
+
+def test_grpo_guard_is_ratio_one_on_policy_and_centres_the_log_ratio():
+    g = torch.Generator().manual_seed(1)
+    mean_old = torch.randn(3, 4, 2, 2, generator=g)
+    std = torch.tensor([0.2, 0.1, 0.3])
+    dt = torch.tensor([-0.1, -0.2, -0.05])
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    lp = torch.randn(3, generator=g)
+    on = grpo_guard_loss(lp, lp, mean_old, mean_old, std, dt, adv, 2e-6)
+    assert torch.equal(on.metrics["ratio_mean"], torch.tensor(1.0))
+    torch.testing.assert_close(on.loss, (-adv / dt.abs()).mean())
+    # With the sample at the old mean, log p - log p_old = -mean(dmu^2) / (2 s^2): RatioNorm undoes it.
+    mean_new = mean_old + 0.01 * torch.randn(3, 4, 2, 2, generator=g)
+    x = mean_old
+    shape = (-1, 1, 1, 1)
+    logp = lambda m: (-(x - m).pow(2) / (2 * std.reshape(shape) ** 2)).mean(dim=(1, 2, 3))  # noqa: E731
+    out = grpo_guard_loss(logp(mean_new), logp(mean_old), mean_new, mean_old, std, dt, adv, 2e-6)
+    torch.testing.assert_close(out.metrics["ratio_mean"], torch.tensor(1.0))
+    assert float(out.metrics["guard/raw_ratio_mean"]) < 1.0  # the bias GRPO-Guard corrects
+
+
+def test_grpo_guard_matches_ppo_clip_direction():
+    mean = torch.zeros(2, 1, 1, 1)
+    std, dt = torch.ones(2), -torch.ones(2)
+    lp = torch.zeros(2, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    grpo_guard_loss(lp, lp.detach(), mean, mean, std, dt, adv, 1e-3).loss.backward()
+    lp2 = torch.zeros(2, requires_grad=True)
+    policy_loss(lp2, lp2.detach(), adv, 1e-3).loss.backward()
+    torch.testing.assert_close(lp.grad, lp2.grad)  # s = 1, |dt| = 1: the same objective
+
+
+def test_velocity_kl_is_the_per_sample_mse():
+    v = torch.ones(2, 3, 2, 2)
+    assert torch.equal(velocity_kl(v, torch.zeros_like(v)), torch.ones(2))
+
+
+def test_old_decay_schedules_match_the_reference_types():
+    type1 = NftConfig()  # flat 0, +0.001 per step, up to 0.5
+    assert [type1.old_decay(s) for s in (0, 10, 600)] == [0.0, pytest.approx(0.01), 0.5]
+    type2 = NftConfig(old_decay_start=75, old_decay_rate=0.0075, old_decay_max=0.999)
+    assert type2.old_decay(74) == 0.0 and type2.old_decay(85) == pytest.approx(0.075)
+    assert type2.old_decay(10_000) == 0.999
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sampler.window_size=0"], "flow_grpo trains on the SDE window"),
+        (["algorithm.name=awm", "algorithm.loss=grpo_guard"], "GRPO-Guard is a flow_grpo objective"),
+        (["algorithm.name=diffusion_nft", "algorithm.nft.timesteps=11"], "algorithm.nft.timesteps=11"),
+        (["algorithm.nft.beta=0"], "algorithm.nft.beta=0"),
+        (["algorithm.awm.sigma_range=[0.5,0.2]"], "algorithm.awm.sigma_range"),
+        (["algorithm.name=ppo"], "algorithm.name"),
+    ],
+)
+def test_bad_algorithm_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_ode_rollouts_are_allowed_for_forward_process_algorithms():
+    for name in ("diffusion_nft", "awm"):
+        cfg = load_config(None, [f"algorithm.name={name}", "sampler.window_size=0"])
+        assert cfg.algorithm.name == name and cfg.sampler.window_size == 0
+
+
+def test_every_example_recipe_loads_with_its_algorithm():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    found = {}
+    for path in sorted(root.rglob("*.yaml")):
+        cfg = load_config(path)
+        found[path.relative_to(root).as_posix()] = (cfg.algorithm.name, cfg.algorithm.loss)
+    assert found["flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml"] == ("flow_grpo", "ppo_clip")
+    assert found["flowgrpo_trainer/boogu_image/boogu_image_ocr_grpo_guard_lora.yaml"] == (
+        "flow_grpo",
+        "grpo_guard",
+    )
+    assert found["diffusion_nft_trainer/boogu_image/boogu_image_ocr_lora.yaml"] == (
+        "diffusion_nft",
+        "ppo_clip",
+    )
+    assert found["awm_trainer/boogu_image/boogu_image_ocr_lora.yaml"] == ("awm", "ppo_clip")

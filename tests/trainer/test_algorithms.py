@@ -1,0 +1,144 @@
+"""DiffusionNFT, AWM and GRPO-Guard in the trainer on the tiny model: they train, their reward follows
+the advantage's sign, their compute is accounted, and NFT's old policy resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from boogu_trainer.config import demo_config, load_config
+from boogu_trainer.data import demo_records
+from boogu_trainer.distributed import local_tensor
+from boogu_trainer.evaluation import Evaluator
+from boogu_trainer.loop import Trainer
+
+FORWARD = ["sampler.window_size=0", "sampler.guidance_scale=1.0", "algorithm.mini_batches=1"]
+
+
+def make(tiny_checkpoint: Path, run_dir: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_checkpoint}",
+            f"logging.run_dir={run_dir}",
+            "logging.progress=false",
+            "logging.sample_every=0",
+            "checkpoint.save_every=0",
+            "preflight=false",
+            "data.prompts_per_step=2",
+            *extra,
+        ],
+        base=demo_config(),
+    )
+
+
+def lines(trainer: Trainer) -> list[dict]:
+    return [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_nft_old_policy_lags_rolls_out_and_resumes_bitwise(tiny_checkpoint, tmp_path):
+    nft = [
+        "algorithm.name=diffusion_nft",
+        *FORWARD,
+        "algorithm.nft.timesteps=2",
+        "algorithm.nft.old_decay_rate=0.3",  # the old policy lags from the first update on
+        "checkpoint.save_every=1",
+        "total_steps=3",
+    ]
+    straight = Trainer(make(tiny_checkpoint, tmp_path / "a", *nft))
+    straight.train()
+    learner = straight.learner
+    assert not learner.old_is_current and learner.last_old_decay == pytest.approx(0.5)
+    # Rollouts see the old policy: the module holds it inside sampling_policy() and gets its own back.
+    current = [local_tensor(p.detach()).clone() for p in learner.params]
+    with learner.sampling_policy():
+        assert all(torch.equal(p.detach(), o) for p, o in zip(learner.params, learner.old))
+    assert all(torch.equal(p.detach(), c) for p, c in zip(learner.params, current))
+    assert not all(torch.equal(o, c) for o, c in zip(learner.old, current))
+
+    first = Trainer(make(tiny_checkpoint, tmp_path / "b", *nft[:-1], "total_steps=2"))
+    first.train()
+    resumed = Trainer(make(tiny_checkpoint, tmp_path / "b", *nft, "resume=auto"))
+    assert resumed.resume("auto") is not None and resumed.step == 2
+    resumed.train()
+    a = straight.run_dir / "checkpoints" / "step_000003"
+    b = resumed.run_dir / "checkpoints" / "step_000003"
+    for name in ("adapter_model.safetensors", "old_policy.safetensors", "optimizer.safetensors"):
+        ta, tb = load_file(a / name), load_file(b / name)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+    last_a, last_b = lines(straight)[-1], lines(resumed)[-1]
+    for key in ("reward/mean", "loss", "cum/fe", "cum/images", "nft/old_decay"):
+        assert last_a[key] == last_b[key], key
+
+
+@pytest.mark.slow
+def test_forward_equivalents_per_phase_and_cumulative(tiny_checkpoint, tmp_path):
+    # Two mini-batches: the second one's old values need their own forwards (T per sample, half
+    # the batch on the first step); then every sample's, since the old policy lags (rate 0.001).
+    cfg = make(
+        tiny_checkpoint,
+        tmp_path,
+        "algorithm.name=diffusion_nft",
+        "sampler.window_size=0",
+        "sampler.guidance_scale=1.0",
+        "algorithm.nft.timesteps=2",
+        "algorithm.kl_coef=1e-4",
+        "total_steps=2",
+    )
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    steps = cfg.sampler.num_steps
+    first, second = history
+    assert first["fe/rollout_per_image"] == steps  # ODE, no CFG: one forward per step
+    assert first["fe/train_per_image"] == 2 * 3  # two levels, forward + backward (2 FE)
+    assert first["fe/backward_per_image"] == 2
+    assert first["fe/reference_per_image"] == 2  # the KL's base-model forward per level
+    assert first["fe/old_per_image"] == 1 and second["fe/old_per_image"] == 2
+    images = cfg.data.prompts_per_step * cfg.algorithm.group_size
+    assert first["cum/images"] == images and second["cum/images"] == 2 * images
+    assert second["cum/fe"] == (first["fe/total_per_image"] + second["fe/total_per_image"]) * images
+    assert second["cum/tflops"] > first["cum/tflops"] > 0 and second["cum/time_s"] > first["cum/time_s"]
+
+
+def paired_gain(before, after) -> tuple[float, float]:
+    """Mean and standard error of the per-prompt reward change on the same ODE noise."""
+    diffs = [b["reward"] - a["reward"] for a, b in zip(before.prompts, after.prompts, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))
+
+
+def _sign_run(tiny_checkpoint, run_dir, sign, settings):
+    """Train a few steps with the advantage's sign set; the evaluation reward before and after, paired
+    per prompt on the same noise (a few steps move it far beyond its paired standard error, where the
+    rollouts' own reward means are too noisy to tell)."""
+    cfg = make(tiny_checkpoint, run_dir, *settings, f"algorithm.advantage_sign={sign}", "eval.num_steps=6")
+    trainer = Trainer(cfg)
+    evaluator = Evaluator(cfg, trainer.engine, trainer.rewards, trainer.dist, demo_records(16))
+    before = evaluator.evaluate(0)
+    history = trainer.train()
+    assert all(math.isfinite(h["loss"]) for h in history)
+    return paired_gain(before, evaluator.evaluate(cfg.total_steps))
+
+
+SIGN_SETTINGS = {
+    "flow_grpo": ["total_steps=3"],  # the demo's settings
+    "diffusion_nft": ["algorithm.name=diffusion_nft", *FORWARD, "algorithm.nft.timesteps=2", "total_steps=3"],
+    "awm": ["algorithm.name=awm", *FORWARD, "algorithm.awm.timesteps=2", "total_steps=3"],
+    "grpo_guard": ["algorithm.loss=grpo_guard", "algorithm.clip_range=1e-2", "total_steps=3"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", sorted(SIGN_SETTINGS))
+def test_reward_follows_the_advantage_sign(algorithm, tiny_checkpoint, tmp_path):
+    up, up_err = _sign_run(tiny_checkpoint, tmp_path / "up", 1, SIGN_SETTINGS[algorithm])
+    down, down_err = _sign_run(tiny_checkpoint, tmp_path / "down", -1, SIGN_SETTINGS[algorithm])
+    assert up > 2 * up_err, (up, up_err)
+    assert -down > 2 * down_err, (down, down_err)
