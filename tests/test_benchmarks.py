@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -51,3 +52,21 @@ def test_gpu_path_smoke_on_cpu(tmp_path, monkeypatch):
     # every attention stage of the tiny model was seen; nothing is padded except the text stages
     calls = figures["sdpa_calls"]
     assert sum(calls.values()) >= 5 and all("gqa=True" in k or "mask=yes" in k for k in calls)
+
+
+@pytest.mark.slow
+def test_algorithms_quick(tmp_path, monkeypatch):
+    out = tmp_path / "algorithms.json"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
+    run_script("algorithms.py", ["--quick", "--json", str(out), "--out", str(tmp_path)], monkeypatch)
+    figures = json.loads(out.read_text())
+    assert isinstance(figures["target"], float) and math.isfinite(figures["target"])
+    algorithms = figures["algorithms"]
+    assert set(algorithms) == {"flow_grpo", "flow_grpo_e2", "grpo_guard", "diffusion_nft", "awm"}
+    for entry in algorithms.values():
+        for key in ("fe_to_target", "wall_to_target_s", "final_reward"):
+            values = entry[key]
+            assert isinstance(values, list) and len(values) == figures["seeds"] == 1
+            assert all(v is None or (isinstance(v, int | float) and v > 0) for v in values)
+        assert entry["final_reward"][0] is not None
+    assert (tmp_path / "algorithms.png").stat().st_size > 0
