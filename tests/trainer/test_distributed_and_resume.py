@@ -97,12 +97,28 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+NFT_LAGGING = [
+    "algorithm.name=diffusion_nft",
+    "sampler.window_size=0",
+    "sampler.guidance_scale=1.0",
+    "algorithm.nft.timesteps=2",
+    "algorithm.nft.old_decay_rate=0.3",  # the old policy lags: sharded old copy, swaps, old forwards
+    "algorithm.kl_coef=1e-4",
+]
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_with_fsdp2_equal_one_rank(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("algorithm", [[], NFT_LAGGING], ids=["flow_grpo", "diffusion_nft"])
+def test_two_gloo_ranks_with_fsdp2_equal_one_rank(algorithm, tiny_checkpoint, tmp_path):
     # Float rounding differs between 1 and 2 ranks (batch composition, reduction order) and Adam's
     # first steps are nearly sign(g) * lr: a small lr keeps that rounding below the 1e-6 bar.
     common = overrides(
-        tiny_checkpoint, tmp_path / "x", "total_steps=2", "checkpoint.save_every=0", "optim.lr=1e-4"
+        tiny_checkpoint,
+        tmp_path / "x",
+        "total_steps=2",
+        "checkpoint.save_every=0",
+        "optim.lr=1e-4",
+        *algorithm,
     )
     one = [a.replace(str(tmp_path / "x"), str(tmp_path / "one")) for a in common]
     two = [a.replace(str(tmp_path / "x"), str(tmp_path / "two")) for a in common]
@@ -113,6 +129,11 @@ def test_two_gloo_ranks_with_fsdp2_equal_one_rank(tiny_checkpoint, tmp_path):
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert diff < 1e-6, diff
     assert max(float(a[k].abs().max()) for k in a if "lora_B" in k) > 5e-5  # it did train
+    if algorithm:
+        (_, fa), *_ = reversed(checkpoint_folders(tmp_path / "one" / "run" / "checkpoints"))
+        (_, fb), *_ = reversed(checkpoint_folders(tmp_path / "two" / "run" / "checkpoints"))
+        oa, ob = load_file(fa / "old_policy.safetensors"), load_file(fb / "old_policy.safetensors")
+        assert set(oa) == set(ob) and max(float((oa[k] - ob[k]).abs().max()) for k in oa) < 1e-6
 
 
 @pytest.mark.slow
