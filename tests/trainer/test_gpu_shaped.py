@@ -279,3 +279,66 @@ def test_model_compile_compiles_the_trained_module_per_block(tiny_checkpoint, tm
     monkeypatch.setattr(BooguImageTransformer2DModel, "enable_regional_compile", record)
     Trainer(_config(tiny_checkpoint, tmp_path, "model.compile=true", "model.compile_bucket=32"))
     assert seen == [(32, True)]
+
+
+@pytest.mark.parametrize("algorithm", ["diffusion_nft", "awm"])
+def test_no_host_sync_inside_the_forward_process_update(algorithm, tiny_checkpoint, tmp_path):
+    """DiffusionNFT's and AWM's micro-batch x level loop, and the old values computed before it
+    (NFT's old policy lagging, a second mini-batch), with the KL's base-model forwards: no host reads."""
+    from boogu_trainer.forward_process import ForwardProcessUpdate
+
+    trainer = Trainer(
+        _config(
+            tiny_checkpoint,
+            tmp_path,
+            f"algorithm.name={algorithm}",
+            "sampler.window_size=0",
+            "sampler.guidance_scale=1.0",
+            "algorithm.mini_batches=2",
+            "algorithm.kl_coef=0.01",
+            "algorithm.train_micro_batch_size=2",
+            "algorithm.nft.timesteps=2",
+            "algorithm.nft.old_decay_rate=0.5",
+            "algorithm.awm.timesteps=2",
+        )
+    )
+    trainer.train_step()  # NFT: the old policy now lags, so the next update precomputes its values
+    trainer.step = 1
+    guard = HostSyncGuard()
+    regions = []
+    originals = {name: getattr(ForwardProcessUpdate, name) for name in ("accumulate", "precompute_old")}
+
+    def wrap(name):
+        def guarded(self, *args, **kwargs):
+            regions.append(name)
+            with guard.region():
+                return originals[name](self, *args, **kwargs)
+
+        return guarded
+
+    # As above: the host lengths must reach every forward; the CPU-only mask cross-check is exempt.
+    text_lengths = BooguImageTransformer2DModel._text_lengths
+    given = []
+
+    def checked(self, mask, batch, width, instruction_lengths=None):
+        given.append(instruction_lengths is not None)
+        previous, guard.armed = guard.armed, False
+        try:
+            return text_lengths(self, mask, batch, width, instruction_lengths)
+        finally:
+            guard.armed = previous
+
+    try:
+        for name in originals:
+            setattr(ForwardProcessUpdate, name, wrap(name))
+        BooguImageTransformer2DModel._text_lengths = checked
+        with guard, no_tolist(guard):
+            metrics = trainer.train_step().metrics
+    finally:
+        BooguImageTransformer2DModel._text_lengths = text_lengths
+        for name, fn in originals.items():
+            setattr(ForwardProcessUpdate, name, fn)
+    assert given and all(given)
+    assert metrics["optimizer_steps"] == 4 and "kl_ref" in metrics
+    assert regions.count("accumulate") == 2 and "precompute_old" in regions
+    assert metrics["fe/reference_per_image"] == 2 and metrics["fe/old_per_image"] > 0

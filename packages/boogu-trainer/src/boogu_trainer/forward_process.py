@@ -105,7 +105,7 @@ class ForwardProcessUpdate:
         """The old policy's values at every level of ``rows`` (no grad), before any optimizer step."""
         learner = self.learner
         with torch.no_grad(), learner.count_as("old"), learner.sampling_policy():
-            for chunk in learner.micro_batches(torch.tensor(rows, dtype=torch.long)):
+            for chunk in _chunks(rows, self.config.algorithm.train_micro_batch_size):
                 for j in range(self.plan.num_levels):
                     _, _, sigma, x_sigma, target, cond = self.inputs(chunk, j)
                     v = self.velocity(x_sigma, sigma, cond)
@@ -158,7 +158,7 @@ class ForwardProcessUpdate:
                 learner.optimizer.zero_grad(set_to_none=True)
                 first = epoch == 0 and mb == 0 and on_policy_first
                 bad_loss = self.accumulate(
-                    advantages, learner.micro_batches(torch.tensor(rows)), len(all_rows), acc, first=first
+                    advantages, _chunks(rows, a.train_micro_batch_size), len(all_rows), acc, first=first
                 )
                 status = learner.optimizer_step(bad_loss, acc)
                 if status == "skipped":
@@ -227,6 +227,12 @@ class ForwardProcessUpdate:
         for key, value in sums.items():
             acc[key].append(value)
         return bad
+
+
+def _chunks(rows: list[int], size: int) -> list[list[int]]:
+    """Consecutive micro-batches of ``size`` host rows (0: all in one), as `Learner.micro_batches`."""
+    size = size or len(rows)
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
 @contextlib.contextmanager
