@@ -8,6 +8,7 @@ update's loops read a device value on the host (each such read stalls a GPU's qu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -117,6 +118,29 @@ def test_training_micro_batches_accumulate_to_the_same_update(tiny_checkpoint, t
     assert abs(m0["loss"] - m1["loss"]) < 1e-6 + 1e-3 * abs(m0["loss"])
 
 
+@contextlib.contextmanager
+def lengths_from_host(guard: HostSyncGuard):
+    """Record whether every forward got the prompt lengths from the host (a list of flags). With them,
+    a mask on a GPU is never read; a CPU mask is cross-checked against them on the host, which is
+    exempt from ``guard`` here, as a GPU run skips it."""
+    text_lengths = BooguImageTransformer2DModel._text_lengths
+    given: list[bool] = []
+
+    def checked(self, mask, batch, width, instruction_lengths=None):
+        given.append(instruction_lengths is not None)
+        previous, guard.armed = guard.armed, False
+        try:
+            return text_lengths(self, mask, batch, width, instruction_lengths)
+        finally:
+            guard.armed = previous
+
+    BooguImageTransformer2DModel._text_lengths = checked
+    try:
+        yield given
+    finally:
+        BooguImageTransformer2DModel._text_lengths = text_lengths
+
+
 def test_no_host_sync_inside_the_denoising_and_update_loops(tiny_checkpoint, tmp_path):
     """The rollout's denoising loop (model forwards included) and the update's micro-batch/window
     loop run under a guard that fails on every op that reads a device value on the host."""
@@ -149,25 +173,10 @@ def test_no_host_sync_inside_the_denoising_and_update_loops(tiny_checkpoint, tmp
             return accumulate(*args, **kwargs)
 
     trainer.learner._accumulate = guarded
-    # Every forward must get the lengths from the host. With them, a mask on a GPU is never read;
-    # a CPU mask is cross-checked against them (on the host: exempt here, as a GPU run skips it).
-    text_lengths = BooguImageTransformer2DModel._text_lengths
-    given = []
-
-    def checked(self, mask, batch, width, instruction_lengths=None):
-        given.append(instruction_lengths is not None)
-        previous, guard.armed = guard.armed, False
-        try:
-            return text_lengths(self, mask, batch, width, instruction_lengths)
-        finally:
-            guard.armed = previous
-
     try:
-        BooguImageTransformer2DModel._text_lengths = checked
-        with guard, no_tolist(guard):
+        with guard, no_tolist(guard), lengths_from_host(guard) as given:
             metrics = trainer.train_step().metrics
     finally:
-        BooguImageTransformer2DModel._text_lengths = text_lengths
         hook.remove()
     assert not guard.armed
     assert metrics["optimizer_steps"] >= 1 and "kl_ref" in metrics
@@ -316,26 +325,12 @@ def test_no_host_sync_inside_the_forward_process_update(algorithm, tiny_checkpoi
 
         return guarded
 
-    # As above: the host lengths must reach every forward; the CPU-only mask cross-check is exempt.
-    text_lengths = BooguImageTransformer2DModel._text_lengths
-    given = []
-
-    def checked(self, mask, batch, width, instruction_lengths=None):
-        given.append(instruction_lengths is not None)
-        previous, guard.armed = guard.armed, False
-        try:
-            return text_lengths(self, mask, batch, width, instruction_lengths)
-        finally:
-            guard.armed = previous
-
     try:
         for name in originals:
             setattr(ForwardProcessUpdate, name, wrap(name))
-        BooguImageTransformer2DModel._text_lengths = checked
-        with guard, no_tolist(guard):
+        with guard, no_tolist(guard), lengths_from_host(guard) as given:
             metrics = trainer.train_step().metrics
     finally:
-        BooguImageTransformer2DModel._text_lengths = text_lengths
         for name, fn in originals.items():
             setattr(ForwardProcessUpdate, name, fn)
     assert given and all(given)

@@ -30,7 +30,7 @@ from boogu_adapters.lora import adapters_disabled
 from boogu_adapters.step import boogu_velocity
 from boogu_adapters.types import Conditioning
 from boogu_schedule import derive_seed, flow_target, forward_noise, sample_sigmas
-from boogu_trainer.losses import awm_log_prob, awm_loss, nft_loss, velocity_kl
+from boogu_trainer.losses import MetricSums, awm_log_prob, awm_loss, nft_loss, velocity_kl
 
 if TYPE_CHECKING:
     from boogu_trainer.learner import Learner, UpdateResult
@@ -105,7 +105,7 @@ class ForwardProcessUpdate:
         """The old policy's values at every level of ``rows`` (no grad), before any optimizer step."""
         learner = self.learner
         with torch.no_grad(), learner.count_as("old"), learner.sampling_policy():
-            for chunk in _chunks(rows, self.config.algorithm.train_micro_batch_size):
+            for chunk in learner.micro_batches(rows):
                 for j in range(self.plan.num_levels):
                     _, _, sigma, x_sigma, target, cond = self.inputs(chunk, j)
                     v = self.velocity(x_sigma, sigma, cond)
@@ -158,7 +158,7 @@ class ForwardProcessUpdate:
                 learner.optimizer.zero_grad(set_to_none=True)
                 first = epoch == 0 and mb == 0 and on_policy_first
                 bad_loss = self.accumulate(
-                    advantages, _chunks(rows, a.train_micro_batch_size), len(all_rows), acc, first=first
+                    advantages, learner.micro_batches(rows), len(all_rows), acc, first=first
                 )
                 status = learner.optimizer_step(bad_loss, acc)
                 if status == "skipped":
@@ -176,11 +176,7 @@ class ForwardProcessUpdate:
         learner, a = self.learner, self.algorithm
         T = self.plan.num_levels
         bad = torch.zeros((), dtype=torch.bool, device=learner.device)
-        sums: dict[str, torch.Tensor] = {}
-
-        def add(key: str, value: torch.Tensor, share: float) -> None:
-            value = value.detach().double() * share
-            sums[key] = value if key not in sums else sums[key] + value
+        sums = MetricSums()
 
         rows_here = sum(len(c) for c in chunks)
         for chunk in chunks:
@@ -217,22 +213,12 @@ class ForwardProcessUpdate:
                         ref = self.velocity(x_sigma, sigma, cond)
                     kl = velocity_kl(v, ref).mean()
                     loss = loss + a.kl_coef * kl
-                    add("kl_ref", kl, share)
+                    sums.add("kl_ref", kl, share)
                 bad = bad | ~torch.isfinite(loss.detach())
                 (loss * weight).backward()
-                add("loss", loss, share)
-                add("policy_loss", pl.loss, share)
-                for key, value in pl.metrics.items():
-                    add(key, value, share)
-        for key, value in sums.items():
-            acc[key].append(value)
+                sums.add_loss(loss, pl, share)
+        sums.into(acc)
         return bad
-
-
-def _chunks(rows: list[int], size: int) -> list[list[int]]:
-    """Consecutive micro-batches of ``size`` host rows (0: all in one), as `Learner.micro_batches`."""
-    size = size or len(rows)
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from boogu_adapters.training import TrainingAdapter
 from boogu_trainer.config import TrainerConfig
 from boogu_trainer.distributed import DistEnv, full_tensor, local_tensor
 from boogu_trainer.forward_process import ForwardProcessUpdate, PhaseCounter, nullphase, swapped
-from boogu_trainer.losses import grpo_guard_loss, kl_to_reference, policy_loss
+from boogu_trainer.losses import MetricSums, grpo_guard_loss, kl_to_reference, policy_loss
 from boogu_trainer.rollout import ScoredBatch
 
 
@@ -209,10 +209,11 @@ class Learner:
                 break
         return self.finish(acc, logprob_diff, finite=all_finite, weights_finite=weights_finite)
 
-    def micro_batches(self, rows: torch.Tensor) -> list[list[int]]:
+    def micro_batches(self, rows: torch.Tensor | list[int]) -> list[list[int]]:
         """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
-        size = self.config.algorithm.train_micro_batch_size or rows.numel()
-        return [chunk.tolist() for chunk in rows.split(size)]
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        size = self.config.algorithm.train_micro_batch_size or len(rows)
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
 
     def _accumulate(
         self, batch, advantages, chunks, total_rows, acc, logprob_diff, *, first: bool
@@ -229,11 +230,8 @@ class Learner:
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         # Each metric is the mini-batch's mean over samples and window steps: chunk values weighted
         # by their share of the rows.
-        sums: dict[str, torch.Tensor] = {}
-
-        def add(key: str, value: torch.Tensor, share: float) -> None:
-            value = value.detach().double() * share
-            sums[key] = value if key not in sums else sums[key] + value
+        sums = MetricSums()
+        add = sums.add
 
         rows = sum(len(chunk) for chunk in chunks)
         for chunk in chunks:
@@ -276,12 +274,8 @@ class Learner:
                     add("kl_ref", kl, share)
                 bad = bad | ~torch.isfinite(loss.detach())
                 (loss * weight).backward()
-                add("loss", loss, share)
-                add("policy_loss", pl.loss, share)
-                for key, value in pl.metrics.items():
-                    add(key, value, share)
-        for key, value in sums.items():
-            acc[key].append(value)
+                sums.add_loss(loss, pl, share)
+        sums.into(acc)
         return bad
 
     def finish(self, acc, logprob_diff, *, finite: bool, weights_finite: bool = True) -> UpdateResult:

@@ -30,6 +30,43 @@ class PolicyLoss:
     them with ``float()`` after the loop; reading each one inside it would stall a GPU)."""
 
 
+class MetricSums:
+    """A mini-batch's metrics on the device: each value weighted by its share of the rows (and steps)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, value: torch.Tensor, share: float) -> None:
+        value = value.detach().double() * share
+        self.sums[key] = value if key not in self.sums else self.sums[key] + value
+
+    def add_loss(self, loss: torch.Tensor, pl: PolicyLoss, share: float) -> None:
+        """The total loss, the objective's own and its metrics (a `losses.PolicyLoss`)."""
+        self.add("loss", loss, share)
+        self.add("policy_loss", pl.loss, share)
+        for key, value in pl.metrics.items():
+            self.add(key, value, share)
+
+    def into(self, acc: dict[str, list]) -> None:
+        for key, value in self.sums.items():
+            acc[key].append(value)
+
+
+def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, clip_range: float) -> dict[str, torch.Tensor]:
+    """Detached 0-d statistics of a clipped ratio: mean, std, clip fractions, and the k3 estimator of
+    KL(old || new) from the raw log-ratio (unbiased, >= 0)."""
+    with torch.no_grad():
+        r, lr = ratio.detach(), log_ratio.detach()
+        return {
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
+            "clipfrac": ((r - 1).abs() > clip_range).float().mean(),
+            "clipfrac_upper": (r > 1 + clip_range).float().mean(),
+            "clipfrac_lower": (r < 1 - clip_range).float().mean(),
+            "approx_kl": (torch.exp(lr) - 1 - lr).mean(),
+        }
+
+
 def policy_loss(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float
 ) -> PolicyLoss:
@@ -39,18 +76,7 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     loss = torch.maximum(unclipped, clipped).mean()
-    with torch.no_grad():
-        r = ratio.detach()
-        metrics = {
-            "ratio_mean": r.mean(),
-            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
-            "clipfrac": ((r - 1).abs() > clip_range).float().mean(),
-            "clipfrac_upper": (r > 1 + clip_range).float().mean(),
-            "clipfrac_lower": (r < 1 - clip_range).float().mean(),
-            # k3 estimator of KL(old || new): unbiased, >= 0.
-            "approx_kl": ((r - 1) - log_ratio.detach()).mean(),
-        }
-    return PolicyLoss(loss=loss, metrics=metrics)
+    return PolicyLoss(loss=loss, metrics=ratio_metrics(ratio, log_ratio, clip_range))
 
 
 def grpo_guard_loss(
@@ -84,19 +110,10 @@ def grpo_guard_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     loss = (torch.maximum(unclipped, clipped) / dt.abs().reshape(-1)).mean()
+    metrics = ratio_metrics(ratio, log_ratio, clip_range)
     with torch.no_grad():
-        r = ratio.detach()
-        raw = torch.exp(log_ratio.detach())
-        metrics = {
-            "ratio_mean": r.mean(),
-            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
-            "clipfrac": ((r - 1).abs() > clip_range).float().mean(),
-            "clipfrac_upper": (r > 1 + clip_range).float().mean(),
-            "clipfrac_lower": (r < 1 - clip_range).float().mean(),
-            "approx_kl": ((raw - 1) - log_ratio.detach()).mean(),
-            "guard/raw_ratio_mean": raw.mean(),
-            "guard/bias_mean": bias.detach().mean(),
-        }
+        metrics["guard/raw_ratio_mean"] = torch.exp(log_ratio.detach()).mean()
+        metrics["guard/bias_mean"] = bias.detach().mean()
     return PolicyLoss(loss=loss, metrics=metrics)
 
 
@@ -172,16 +189,8 @@ def awm_loss(
         clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
         objective = torch.maximum(objective, clipped)
     loss = objective.mean()
-    with torch.no_grad():
-        r = ratio.detach()
-        eps = clip_range if clip_range is not None else math.inf
-        metrics = {
-            "ratio_mean": r.mean(),
-            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
-            "clipfrac": ((r - 1).abs() > eps).float().mean(),
-            "approx_kl": ((r - 1) - log_ratio.detach()).mean(),
-            "awm/fm_loss": -log_prob.detach().mean(),
-        }
+    metrics = ratio_metrics(ratio, log_ratio, clip_range if clip_range is not None else math.inf)
+    metrics["awm/fm_loss"] = -log_prob.detach().mean()
     return PolicyLoss(loss=loss, metrics=metrics)
 
 
