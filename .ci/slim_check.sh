@@ -11,6 +11,7 @@ torch_version="$(uv run --frozen python -c 'import torch; print(torch.__version_
 
 uv build --quiet --package boogu-schedule --no-sources --wheel --out-dir "$work/dist"
 uv build --quiet --package boogu-data --no-sources --wheel --out-dir "$work/dist"
+uv build --quiet --package boogu-protocol --no-sources --wheel --out-dir "$work/dist"
 
 # boogu-schedule: torch comes from the same registry build the lock uses (uv's cache already has it).
 uv venv --quiet --python 3.11 "$work/schedule-venv"
@@ -42,4 +43,20 @@ heavy = ("torch", "diffusers", "transformers", "peft", "vllm", "boogu_schedule",
 bad = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
 assert not bad, f"boogu_data imported {bad}"
 print("slim boogu-data OK:", boogu_data.__version__)
+PY
+
+# boogu-protocol (the rollout worker's wire format, installed in vllm-omni's environment too):
+# torch + safetensors only, beside boogu-schedule in that venv.
+uv pip install --quiet --python "$work/schedule-venv/bin/python" "$work"/dist/boogu_protocol-*.whl
+"$work/schedule-venv/bin/python" - <<'PY'
+import sys
+import torch
+import boogu_protocol as bp
+
+meta, tensors = bp.unpack(bp.pack({"spec": {"a": 1}}, {"x": torch.arange(3)}))
+assert meta == {"spec": {"a": 1}} and torch.equal(tensors["x"], torch.arange(3))
+heavy = ("diffusers", "transformers", "peft", "pyarrow", "vllm", "vllm_omni", "boogu_data", "boogu_adapters", "boogu_trainer")
+bad = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
+assert not bad, f"boogu_protocol imported {bad}"
+print("slim boogu-protocol OK:", bp.__version__)
 PY

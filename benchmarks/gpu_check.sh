@@ -6,7 +6,13 @@
 #      LoRA products in a training step, eager vs regional compile;
 #   2. the end-to-end test on the GPU (T2I and edit, bf16, 1 GPU);
 #   3. a few FlowGRPO steps of a random-weight transformer at the released size (or the largest
-#      that fits), printing images/s, MFU, the step-time split and peak memory.
+#      that fits), printing images/s, MFU, the step-time split and peak memory;
+#   4. the vllm-omni engine, if the machine has the rollout environment (vllm 0.30, vllm-omni 0.30,
+#      torch 2.13: `uv sync --locked --project packages/boogu-vllm --extra gpu`, or an interpreter
+#      with them in $BOOGU_VLLM_PYTHON): the e2e with rollout.engine=vllm_omni, then rollout images/s
+#      of both engines on the same request (benchmarks/rollout_engines.py). The lent machine has no
+#      network and the carry limit (64 MiB) is far below vllm's wheel (315 MB): there it is skipped,
+#      and says so.
 #
 # That machine has its own python3 with torch, transformers, peft, safetensors, pyarrow... but no
 # diffusers or rapidocr. Before the run, on this machine, from the repo root:
@@ -46,3 +52,15 @@ done
 
 echo "== released-size random transformer: a few FlowGRPO steps"
 timeout 200 python3 benchmarks/gpu_scale.py --json "$OUT/gpu_scale.json" 2>&1 | tee "$OUT/gpu_scale.log"
+
+echo "== the vllm-omni engine (rollout.engine=vllm_omni)"
+VLLM_PY="${BOOGU_VLLM_PYTHON:-$PWD/packages/boogu-vllm/.venv/bin/python}"
+if [ -x "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm_omni, boogu_vllm.omni_backend" >/dev/null 2>&1; then
+    CUDA_VISIBLE_DEVICES=0 NUM_GPUS=1 MODE=t2i PYTHON=python3 WORK_DIR="$(mktemp -d)" \
+        EXTRA_OVERRIDES="rollout.engine=vllm_omni rollout.vllm.python=$VLLM_PY rollout.vllm.backend=omni" \
+        timeout 240 bash tests/special_e2e/run_flowgrpo_boogu_image.sh 2>&1 | tee "$OUT/e2e_vllm.log" | tail -3
+    timeout 240 python3 benchmarks/rollout_engines.py --backend omni --device cuda --size 512 --steps 10 \
+        --worker-python "$VLLM_PY" --json "$OUT/rollout_engines.json" 2>&1 | tee "$OUT/rollout_engines.log"
+else
+    echo "skipped: no rollout environment with vllm-omni on this machine ($VLLM_PY); see the header"
+fi

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import boogu_adapters.rollout as rollout_mod
 import boogu_adapters.step as step_mod
+import boogu_schedule.sampling as sampling_mod
 from boogu_data import PromptRecord
 
 POS, NEG = 1.0, -1.0  # feature markers the fake encoder writes and the fake transformer reads
@@ -107,7 +107,7 @@ def step_recorder(monkeypatch):
         return real(sampler, sample, velocity, sigma, sigma_next, noise_level, generator, prev_sample, **kw)
 
     monkeypatch.setattr(step_mod, "sde_step", recording)
-    monkeypatch.setattr(rollout_mod, "sde_step", recording)
+    monkeypatch.setattr(sampling_mod, "sde_step", recording)
     return recorder
 
 

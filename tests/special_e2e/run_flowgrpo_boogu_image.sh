@@ -13,7 +13,8 @@
 # local Boogu snapshot whose processor/ and scheduler/ are copied into the tiny checkpoint),
 # WORK_DIR (default: a new temporary folder), PYTHON (the interpreter to use; default: `python` of
 # the active virtual environment, or without one `uv run --frozen --project <repo> python`, which
-# creates and syncs the project's .venv from uv.lock on first use).
+# creates and syncs the project's .venv from uv.lock on first use), EXTRA_OVERRIDES (more config
+# overrides, whitespace-separated, e.g. "rollout.engine=vllm_omni" for rollouts in vllm-omni).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -84,6 +85,8 @@ ARGS=(
     "total_steps=2" "checkpoint.save_every=1" "eval.every=2" "eval.num_steps=4" "eval.num_prompts=3"
     "logging.run_dir=$RUNS" "logging.name=e2e" "logging.sample_every=1" "logging.progress=false"
 )
+# shellcheck disable=SC2206  # split on whitespace on purpose
+[ -n "${EXTRA_OVERRIDES:-}" ] && ARGS+=(${EXTRA_OVERRIDES})
 if [ "$RANKS" -gt 1 ]; then
     PORT=$("${PY[@]}" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     "${PY[@]}" -m torch.distributed.run --nproc_per_node="$RANKS" --master_port="$PORT" \
@@ -93,17 +96,20 @@ else
 fi
 
 echo "== [4/4] checks"
-"${PY[@]}" - "$RUNS/e2e" "$MODE" <<'CHECK'
+# The local engine's log-probs equal training's recomputation bitwise; another engine's (vllm-omni's
+# transformer port) to float rounding.
+case "${EXTRA_OVERRIDES:-}" in *rollout.engine=vllm_omni*) LOGPROB_TOL=1e-4 ;; *) LOGPROB_TOL=0 ;; esac
+"${PY[@]}" - "$RUNS/e2e" "$MODE" "$LOGPROB_TOL" <<'CHECK'
 import json, math, sys
 from pathlib import Path
 from safetensors.torch import load_file
-run, mode = Path(sys.argv[1]), sys.argv[2]
+run, mode, tol = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 train = [s for s in steps if "reward/mean" in s]
 assert [s["step"] for s in train] == [1, 2], [s["step"] for s in train]
 for s in train:
     assert math.isfinite(s["reward/mean"]) and 0.0 <= s["reward/mean"] <= 1.0, s["reward/mean"]
-    assert s["logprob_diff/step0"] == 0.0 and s["logprob_diff/step1"] == 0.0, "rollout and training log-probs differ"
+    assert s["logprob_diff/step0"] <= tol and s["logprob_diff/step1"] <= tol, ("rollout and training log-probs differ", tol)
     assert math.isfinite(s["loss"]) and math.isfinite(s["kl_ref"]) and s["optimizer_steps"] >= 1
     assert s["edit_samples"] == (s["samples"] if mode == "edit" else 0), (s["edit_samples"], mode)
 assert train[-1]["weights_version"] == 2, "the rollout engine did not receive both weight syncs"

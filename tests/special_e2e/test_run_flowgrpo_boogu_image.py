@@ -1,4 +1,4 @@
-"""Runs tests/special_e2e/run_flowgrpo_boogu_image.sh: T2I and edit, on 1 and on 2 gloo ranks.
+"""Runs tests/special_e2e/run_flowgrpo_boogu_image.sh: T2I on 1 and on 2 gloo ranks, edit on 1.
 
 The T2I run on 1 rank runs the script as from a fresh shell, with no virtual environment active
 and no PYTHON, so it must find the project's environment itself (through ``uv run``).
@@ -19,8 +19,10 @@ REPO = SCRIPT.parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("mode", ["t2i", "edit"])
+# Edit on 2 ranks is left out to keep CI under its budget: the 2-rank path (group sharding, FSDP2,
+# gathers) does not depend on the row type, and edit rows run end to end on 1 rank here and through
+# the vllm-omni engine in tests/vllm.
+@pytest.mark.parametrize(("mode", "nproc"), [("t2i", 1), ("t2i", 2), ("edit", 1)])
 def test_e2e(mode, nproc, tmp_path):
     env = {
         **os.environ,

@@ -24,6 +24,7 @@ from boogu_adapters.loading import BooguParts
 from boogu_adapters.model import get_freqs_cis
 from boogu_adapters.rollout import LocalRolloutEngine
 from boogu_adapters.step import CfgMode
+from boogu_schedule.sampling import reference_generator
 
 ROPE_THETA = 10000.0
 
@@ -96,10 +97,8 @@ class VaeCodec:
     def encode_references(self, images: Sequence[bytes], generator: torch.Generator) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         # The VAE posterior draw uses a CPU generator derived from the request's, so the same
-        # request gives the same reference latents on any device.
-        cpu_gen = torch.Generator().manual_seed(
-            int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-        )
+        # request gives the same reference latents on any device (and in the vllm-omni engine).
+        cpu_gen = reference_generator(generator)
         out = encode_reference_images(
             self.vae,
             [_decode_image(b) for b in images],

@@ -19,7 +19,6 @@ instead of spelling them out.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -27,6 +26,7 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model,
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from boogu_adapters.model import LORA_TARGET_MODULES
+from boogu_protocol import lora_fingerprint as lora_fingerprint  # one algorithm on both sides of a sync
 
 ADAPTER_NAME = "default"
 """peft's adapter name for the one adapter this project trains."""
@@ -160,26 +160,6 @@ def check_lora_keys(expected: set[str], got: set[str]) -> None:
             f"LoRA keys do not match the module: {len(missing)} missing (e.g. {missing[:3]}), "
             f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})"
         )
-
-
-def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """A cheap, order-independent checksum of LoRA tensors (per key: sum, abs-sum and square-sum in
-    float64, hashed with the key and shape). One device-to-host copy for the whole state."""
-    keys = sorted(state)
-    if not keys:
-        return hashlib.sha256(b"").hexdigest()[:16]
-    stats = torch.stack(
-        [
-            torch.stack([t.double().sum(), t.double().abs().sum(), t.double().pow(2).sum()])
-            for t in (state[k].detach() for k in keys)
-        ]
-    ).cpu()
-    h = hashlib.sha256()
-    for key, row in zip(keys, stats):
-        h.update(key.encode())
-        h.update(row.numpy().tobytes())
-        h.update(str(tuple(state[key].shape)).encode())
-    return h.hexdigest()[:16]
 
 
 def _tuner_layers(module: torch.nn.Module) -> list[BaseTunerLayer]:

@@ -30,18 +30,10 @@ from boogu_adapters.lora import (
     lora_state_dict,
 )
 from boogu_adapters.step import CfgMode, boogu_velocity, forwards_per_step
-from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory, host_tensor
+from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
 from boogu_data import PromptRecord
-from boogu_schedule import (
-    BooguScheduleConfig,
-    Sampler,
-    SdeWindow,
-    WindowScope,
-    boogu_sigmas,
-    derive_seed,
-    sde_step,
-    to_sde_velocity,
-)
+from boogu_schedule import BooguScheduleConfig, boogu_sigmas
+from boogu_schedule.sampling import dedupe, draw_windows, group_generators, initial_noise, sample_windowed
 
 
 @runtime_checkable
@@ -162,62 +154,6 @@ class _Timer:
             self.stats.seconds[self.key] += time.perf_counter() - self.t0
 
 
-def _dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    """Unique values in first-seen order, and each input's index into them."""
-    unique: list[Any] = []
-    where: dict[Any, int] = {}
-    index = []
-    for v in values:
-        if v not in where:
-            where[v] = len(unique)
-            unique.append(v)
-        index.append(where[v])
-    return unique, index
-
-
-class _WindowSteps:
-    """Per denoising step, the rows inside their SDE window, as device index tensors built up front.
-
-    ``inside[i]`` is ``(rows, k)`` (rows inside their window at step i, ascending, and each row's
-    window position) or None; ``entering[i]`` the rows whose window starts at step i, or None;
-    ``draws[i]`` the ``(group, count)`` noise draws of step i in row order. All of it is derived on
-    the host from the window starts, so the loop never reads a device value.
-    """
-
-    def __init__(self, starts: list[int], width: int, steps: int, group_of: list[int], device: torch.device):
-        self.inside: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        self.entering: list[torch.Tensor | None] = []
-        self.draws: list[list[tuple[int, int]]] = []
-        self.any_outside: list[bool] = []
-        flat: list[int] = []
-        spans: list[tuple[str, int, int, int]] = []  # (kind, step, offset, length)
-        for i in range(steps):
-            rows = [b for b, s in enumerate(starts) if s <= i < s + width]
-            entering = [b for b, s in enumerate(starts) if s == i]
-            self.any_outside.append(len(rows) < len(starts))
-            draws: list[tuple[int, int]] = []
-            for b in rows:
-                if draws and draws[-1][0] == group_of[b]:
-                    draws[-1] = (group_of[b], draws[-1][1] + 1)
-                else:
-                    draws.append((group_of[b], 1))
-            self.draws.append(draws)
-            for kind, values in (("rows", rows), ("k", [i - starts[b] for b in rows]), ("enter", entering)):
-                spans.append((kind, i, len(flat), len(values)))
-                flat.extend(values)
-        for s in starts:
-            flat.extend(range(s, s + width))  # step_index, row-major (B, W)
-        everything = host_tensor(flat, device)  # one host-to-device copy for the whole plan
-        by_step: dict[tuple[str, int], torch.Tensor | None] = {
-            (kind, i): everything[off : off + length] if length else None for kind, i, off, length in spans
-        }
-        for i in range(steps):
-            rows = by_step[("rows", i)]
-            self.inside.append(None if rows is None else (rows, by_step[("k", i)]))
-            self.entering.append(by_step[("enter", i)])
-        self.step_index = everything[len(flat) - len(starts) * width :].reshape(len(starts), width)
-
-
 class LocalRolloutEngine:
     """In-process rollouts with the trainer's own transformer module.
 
@@ -332,7 +268,7 @@ class LocalRolloutEngine:
         """Conditioning for ``len(records) * group_size`` samples, encoding each unique input once."""
         with self._timer("encode"):
             keys = [(r.instruction, r.ref_image) for r in records]
-            unique, idx = _dedupe(keys)
+            unique, idx = dedupe(keys)
             hidden, mask = self.encode_prompts([k[0] for k in unique], [k[1] for k in unique])
             # Valid tokens per prompt, read to the host once here (not in every forward).
             lengths = mask.sum(dim=1).tolist()
@@ -342,7 +278,7 @@ class LocalRolloutEngine:
             neg_hidden = neg_mask = neg_lengths = None
             if guidance_scale != 1.0:
                 # Negatives are encoded text-only (upstream use_input_images_4_neg_instruct=False).
-                negs, neg_idx = _dedupe([r.negative for r in records])
+                negs, neg_idx = dedupe([r.negative for r in records])
                 nh, nm = self.encode_prompts(negs, None)
                 self.stats.encoder_calls += 1
                 self.stats.negatives_encoded += len(negs)
@@ -392,33 +328,6 @@ class LocalRolloutEngine:
         chunks = -(-batch // mb)
         return chunks * (1 if (guidance_scale == 1.0 or self.cfg_mode == "batched") else 2)
 
-    def _generators(self, request: RolloutRequest) -> tuple[list[torch.Generator], torch.Generator]:
-        """One generator per group, seeded from (request seed, global group index), plus one for the batch.
-
-        Each group's initial noise, window and SDE noise come from its own stream, so a group's
-        trajectory does not depend on which other groups share its request (or its rank).
-        """
-
-        def make(key: int) -> torch.Generator:
-            return torch.Generator(device=self.device).manual_seed(derive_seed(request.seed, key))
-
-        groups = [make(request.group_offset + g) for g in range(len(request.records))]
-        return groups, make(-1)
-
-    def _windows(
-        self, request: RolloutRequest, group_gens: list[torch.Generator], batch_gen: torch.Generator
-    ):
-        plan, n, steps = request.window, request.group_size, request.num_steps
-
-        def one(gen: torch.Generator) -> SdeWindow:
-            return plan.one(steps, request.noise_level, gen, request.iteration)
-
-        if plan.scope is WindowScope.BATCH:
-            return [one(batch_gen)] * (len(group_gens) * n)
-        if plan.scope is WindowScope.GROUP:
-            return [w for gen in group_gens for w in [one(gen)] * n]
-        return [one(gen) for gen in group_gens for _ in range(n)]
-
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> Trajectory:
         if self.transformer is None:
@@ -427,39 +336,24 @@ class LocalRolloutEngine:
         num_prompts, batch = len(request.records), request.batch_size
         if num_prompts == 0:
             raise ValueError("RolloutRequest has no records")
-        group_gens, batch_gen = self._generators(request)
+        # One stream per group (and one for the batch), used in the order boogu_schedule.sampling
+        # documents: reference latents (in encode), window, initial noise, SDE noise.
+        group_gens, batch_gen = group_generators(request.seed, request.group_offset, num_prompts, self.device)
         cond = self.encode(request.records, n, request.guidance_scale, group_gens)
 
         height, width = self._output_size(request)
         h, w = self.codec.latent_size(height, width) if self.codec else (height // 8, width // 8)
         # Static schedules ignore num_tokens; dynamic ones use the latent area (latent pixels).
         sigmas = boogu_sigmas(self.schedule_config, steps, num_tokens=h * w).to(self.device)
-        windows = self._windows(request, group_gens, batch_gen)
-        sizes = {win.size for win in windows}
-        if len(sizes) != 1:
-            raise ValueError(f"all windows of a request must have one size, got {sorted(sizes)}")
-        width_w = sizes.pop()
-        group_of_host = [g for g in range(num_prompts) for _ in range(n)]
-        group_of = torch.arange(num_prompts, device=self.device).repeat_interleave(n)
-        plan = _WindowSteps([win.start for win in windows], width_w, steps, group_of_host, self.device)
-
-        # The running latent is float32 from the first draw (the float32 trajectory rule).
-        shape = (self.latent_channels, h, w)
-        x = torch.cat(
-            [torch.randn(n, *shape, generator=g, dtype=torch.float32, device=self.device) for g in group_gens]
+        windows = draw_windows(
+            request.window, steps, request.noise_level, request.iteration, group_gens, batch_gen, n
         )
-        latents = x.new_zeros(batch, width_w + 1, *shape)
-        means = x.new_zeros(batch, width_w, *shape)
-        log_probs = x.new_zeros(batch, width_w)
-        stds = x.new_zeros(batch, width_w)
+        group_of = torch.arange(num_prompts, device=self.device).repeat_interleave(n)
+        x = initial_noise(group_gens, n, (self.latent_channels, h, w), self.device)
 
-        # The loop below makes no device-to-host read: which rows are inside their window at step i,
-        # and how many noise draws each group makes, are known on the host from the window plan.
-        for i in range(steps):
-            sigma = sigmas[i].expand(batch).contiguous()
-            sigma_next = sigmas[i + 1].expand(batch).contiguous()
+        def velocity(x: torch.Tensor, sigma: torch.Tensor, i: int) -> torch.Tensor:
             with self._timer("transformer"):
-                v_boogu = boogu_velocity(
+                v = boogu_velocity(
                     self.transformer,
                     x,
                     sigma,
@@ -471,44 +365,12 @@ class LocalRolloutEngine:
                 )
             self.stats.transformer_calls += self._calls_per_step(batch, request.guidance_scale)
             self.stats.transformer_sample_forwards += forwards_per_step(batch, request.guidance_scale)
-            velocity = to_sde_velocity(v_boogu)  # negate once, after CFG
+            return v
 
-            entering = plan.entering[i]
-            if entering is not None:
-                latents[entering, 0] = x[entering]  # the window's entry state, before its first step
-            # Deterministic Euler steps for every row (elementwise, so a row's value does not depend on
-            # the others); the rows inside their window are then overwritten by the SDE step.
-            if plan.any_outside[i]:
-                x_next = sde_step(Sampler.ODE, x, velocity, sigma, sigma_next, 0.0).prev_sample
-            else:
-                x_next = torch.empty_like(x)
-            inside = plan.inside[i]
-            if inside is not None:
-                rows, k = inside
-                # Each group draws its SDE noise from its own stream, in row order.
-                noise = torch.cat(
-                    [
-                        torch.randn(count, *shape, generator=group_gens[g], device=self.device)
-                        for g, count in plan.draws[i]
-                    ]
-                )
-                step = sde_step(
-                    request.sampler,
-                    x[rows],
-                    velocity[rows],
-                    sigma[rows],
-                    sigma_next[rows],
-                    request.noise_level,
-                    noise=noise,
-                )
-                x_next[rows] = step.prev_sample
-                latents[rows, k + 1] = step.prev_sample
-                means[rows, k] = step.mean
-                log_probs[rows, k] = step.log_prob
-                stds[rows, k] = step.std.flatten()
-            x = x_next
-            if self.on_step is not None:
-                self.on_step(i, steps)
+        out = sample_windowed(
+            velocity, x, sigmas, windows, group_gens, n, request.sampler, request.noise_level, self.on_step
+        )
+        x = out.final
 
         images = None
         if request.decode:
@@ -521,12 +383,12 @@ class LocalRolloutEngine:
         self.stats.samples += batch
         self.stats.settle()
         return Trajectory(
-            latents=latents,
-            step_index=plan.step_index,
+            latents=out.latents,
+            step_index=out.step_index,
             sigmas=sigmas,
-            log_prob=log_probs,
-            mean=means,
-            std=stds,
+            log_prob=out.log_prob,
+            mean=out.mean,
+            std=out.std,
             window=tuple((win.start, win.end) for win in windows),
             group_id=group_of + request.group_offset,
             conditioning=cond,

@@ -14,6 +14,7 @@ import torch
 
 from boogu_data import PromptRecord
 from boogu_schedule import Sampler, WindowPlan
+from boogu_schedule.sampling import host_tensor
 
 MAX_PIXELS = 2048 * 2048
 """Upstream's output-area cap (an edit reference is scaled down to it)."""
@@ -84,19 +85,6 @@ class RolloutRequest:
     @property
     def batch_size(self) -> int:
         return len(self.records) * self.group_size
-
-
-def host_tensor(
-    values: Sequence[int] | Sequence[bool], device: torch.device, dtype=torch.long
-) -> torch.Tensor:
-    """A tensor of host values on ``device`` without a blocking copy (pinned + non_blocking on CUDA).
-
-    ``torch.tensor(values, device="cuda")`` waits for the GPU's queue to drain; this does not.
-    """
-    tensor = torch.tensor(list(values), dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 @dataclass(frozen=True)

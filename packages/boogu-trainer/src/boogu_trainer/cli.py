@@ -156,6 +156,7 @@ def preflight_only(config: TrainerConfig) -> int:
 
 def run(config: TrainerConfig, *, demo: bool = False) -> int:
     """Train with ``config`` (under torchrun: this rank's part); returns the process exit code."""
+    from boogu_adapters.vllm_engine import RolloutWorkerError
     from boogu_trainer.checkpoint import CheckpointError
     from boogu_trainer.distributed import CollectiveTimeout, DistEnv
     from boogu_trainer.loop import Trainer, TrainingStopped, resolve_device
@@ -167,6 +168,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     dist = DistEnv.from_environment(config.distributed.backend, device.type, config.distributed.timeout_s)
     main_rank = dist.is_main
     bar = None
+    trainer = None
     t0 = time.perf_counter()
     try:
         trainer = Trainer(config, dist=dist)
@@ -215,12 +217,14 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     except PreflightError as e:
         print(f"trainer: stopped: {e}", file=sys.stderr)
         return 1
-    except (CheckpointError, CollectiveTimeout) as e:
+    except (CheckpointError, CollectiveTimeout, RolloutWorkerError) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 4
     finally:
         if bar is not None:
             bar.close()
+        if trainer is not None:
+            trainer.close()  # a launched rollout worker stops with the run
         dist.close()
     if main_rank:
         print("\n" + reward_verdict(summarize_rewards(history)))

@@ -215,14 +215,57 @@ class SamplerConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    url: str | None = None
+    """A running rollout worker (http://host:port; a comma-separated list gives rank r the r-th); null: each rank launches one from the rollout environment."""
+    project: str | None = None
+    """The rollout environment's project folder (null: packages/boogu-vllm of this checkout); its .venv comes from `uv sync --locked --project packages/boogu-vllm`."""
+    python: str | None = None
+    """The rollout environment's Python (null: <project>/.venv/bin/python)."""
+    backend: Literal["auto", "omni", "direct"] = "auto"
+    """A launched worker's backend: omni (vllm-omni's engine, GPU), direct (the same pipeline in-process, CPU), auto (omni when CUDA is there)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """A launched worker's model dtype (auto: bfloat16 on GPU, float32 on CPU)."""
+    devices: str | None = None
+    """CUDA_VISIBLE_DEVICES for a launched worker (e.g. '4,5'); null: inherited."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Extra vllm-omni engine arguments for a launched omni worker (e.g. {cfg_parallel_size: 2})."""
+    startup_timeout_s: float = 900.0
+    """How long a launched worker may take to load the model."""
+    request_timeout_s: float = 1800.0
+    """How long one rollout or LoRA sync may take before the run stops."""
+
+    def __post_init__(self) -> None:
+        _check(self.startup_timeout_s > 0, "rollout.vllm.startup_timeout_s", self.startup_timeout_s, "> 0")
+        _check(self.request_timeout_s > 0, "rollout.vllm.request_timeout_s", self.request_timeout_s, "> 0")
+        if self.url is not None:
+            for url in self.url.split(","):
+                _check(
+                    url.strip().startswith("http://"),
+                    "rollout.vllm.url",
+                    self.url,
+                    "http://host:port[,http://...]",
+                )
+
+    def url_for_rank(self, rank: int) -> str | None:
+        if self.url is None:
+            return None
+        urls = [u.strip() for u in self.url.split(",")]
+        return urls[rank % len(urls)]
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["local"] = "local"
-    """'local': in-process with the trained module (the only engine built so far; a vllm-omni
-    engine needs its own environment and an SDE/log-prob path that vllm-omni 0.30 lacks for Boogu)."""
+    engine: Literal["local", "vllm_omni"] = "local"
+    """'local': in-process with the trained module; 'vllm_omni': vllm-omni in its own environment (rollout.vllm.*), on other GPUs, processes or nodes."""
     cfg_mode: Literal["batched", "sequential"] = "batched"
     """Run positive and negative prompts in one forward (batched) or two."""
     micro_batch_size: int = 0
     """Latents per transformer call, VAE decode and reward call (0: the whole batch); with batched CFG a call runs twice as many sample-forwards."""
+    logprob_diff_warn: float = 1e-3
+    """Warn when the training recomputation of a rollout log-prob differs from the engine's by more than this (max over the window; the local engine's is ~0)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The vllm-omni engine's worker."""
 
     def __post_init__(self) -> None:
         _check(
@@ -231,6 +274,7 @@ class RolloutConfig:
             self.micro_batch_size,
             ">= 0 (0 = no split)",
         )
+        _check(self.logprob_diff_warn > 0, "rollout.logprob_diff_warn", self.logprob_diff_warn, "> 0")
 
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft", "awm")

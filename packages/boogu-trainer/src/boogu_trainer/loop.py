@@ -19,6 +19,7 @@ Reads like the algorithm (Flow-GRPO, Liu et al. 2025):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import resource
@@ -33,7 +34,9 @@ import yaml
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import BooguParts, load_boogu
 from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype, is_lora_param
+from boogu_adapters.rollout import RolloutEngine
 from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
@@ -134,7 +137,7 @@ class Trainer:
         self.transformer = self._prepare_transformer(self.parts.transformer)
         if self.dist.enabled and config.distributed.fsdp:
             shard_transformer(self.transformer, self.device.type)
-        self.engine = build_local_engine(
+        self.local_engine = build_local_engine(
             self.parts,
             transformer=self.transformer,
             max_sequence_length=config.model.max_sequence_length,
@@ -142,6 +145,11 @@ class Trainer:
             device=self.device,
             edit_vlm_view=config.model.edit_vlm_view,
             micro_batch_size=config.rollout.micro_batch_size,
+        )
+        """The in-process engine: the encoders and RoPE tables training uses, and the rollouts unless
+        ``rollout.engine`` names another engine."""
+        self.engine: RolloutEngine = (
+            self.local_engine if config.rollout.engine == "local" else self._remote_engine()
         )
         self.rewards = build_rewards(config.reward.rewards)
         self.data = PromptSampler(
@@ -153,7 +161,7 @@ class Trainer:
         val = self._records(config.data.val_files) if config.data.val_files else []
         self.rollout = RolloutScorer(config, self.engine, self.rewards, self.dist, self.device)
         self.learner = Learner(
-            config, self.transformer, TrainingAdapter(self.engine.freqs_cis), self.dist, self.device
+            config, self.transformer, TrainingAdapter(self.local_engine.freqs_cis), self.dist, self.device
         )
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
         self.evaluator = Evaluator(config, self.engine, self.rewards, self.dist, val)
@@ -213,6 +221,42 @@ class Trainer:
             transformer.enable_regional_compile(bucket=cfg.model.compile_bucket)
         return transformer
 
+    def _remote_engine(self) -> RolloutEngine:
+        """``rollout.engine=vllm_omni``: a rollout worker in vllm-omni's environment, connected at
+        ``rollout.vllm.url`` or launched now (one per rank), loading this run's checkpoint."""
+        cfg = self.config
+        v = cfg.rollout.vllm
+        args = ["--backend", v.backend]
+        if v.dtype != "auto":
+            args += ["--dtype", v.dtype]
+        if v.engine_args:
+            args += ["--engine-args", json.dumps(v.engine_args)]
+        log_path = (
+            cfg.run_path / "logs" / f"rollout_worker_rank{self.dist.rank}.log" if v.url is None else None
+        )
+        return VllmOmniRolloutEngine(
+            base_model_path(cfg),
+            url=v.url_for_rank(self.dist.rank),
+            project_dir=v.project,
+            python=v.python,
+            device=self.device,
+            worker_args=args,
+            env={"CUDA_VISIBLE_DEVICES": v.devices} if v.devices is not None else None,
+            startup_timeout_s=v.startup_timeout_s,
+            request_timeout_s=v.request_timeout_s,
+            log_path=log_path,
+            peft_config={
+                "r": cfg.lora.rank,
+                "lora_alpha": cfg.lora.alpha,
+                "target_modules": list(cfg.lora.target_modules),
+            },
+        )
+
+    def close(self) -> None:
+        """Stop what the run started outside this process (a launched rollout worker)."""
+        if self.engine is not self.local_engine:
+            self.engine.close()
+
     def _records(self, files) -> list[PromptRecord]:
         """The dataset's records, every prompt's token count checked now (naming file and row)."""
         if files:
@@ -221,7 +265,10 @@ class Trainer:
             records = demo_records(self.config.data.demo_prompts)
             sources = [f"built-in demo prompt {r.index}" for r in records]
         check_prompt_lengths(
-            records, sources, self.engine.encode_prompts.token_counts, self.config.model.max_sequence_length
+            records,
+            sources,
+            self.local_engine.encode_prompts.token_counts,
+            self.config.model.max_sequence_length,
         )
         return records
 
@@ -308,6 +355,10 @@ class Trainer:
             self.publish_weights(version=step)
         self._check_failures(update)
         forwards = self.forwards.take()
+        if self.engine is not self.local_engine:
+            # The rollout's forwards ran in the worker, not on this module: count what it reports.
+            forwards["rollout"] = forwards.get("rollout", 0) + batch.trajectory.nfe
+        self._warn_logprob_diff(update.metrics, step)
         images = batch.metrics["samples"]
         metrics = {**batch.metrics, **update.metrics, **timer.metrics()}
         metrics.update(
@@ -355,6 +406,22 @@ class Trainer:
             dtype = next(p.dtype for n, p in self.transformer.named_parameters() if not is_lora_param(n))
             self._peak_tflops = peak_tflops(self.device, dtype, self.config.perf.peak_tflops)
         return step_perf(self.flop_meter.take(), step_seconds, images=local_images, peak=self._peak_tflops)
+
+    def _warn_logprob_diff(self, metrics: dict[str, Any], step: int) -> None:
+        """Warn when training's recomputed log-probs drift from the engine's (another engine's kernels,
+        dtype or weights): the ratio is then not 1 on-policy and the clip acts on that drift."""
+        diffs = [float(v) for k, v in metrics.items() if k.startswith("logprob_diff/")]
+        worst = max(diffs, default=0.0)
+        limit = self.config.rollout.logprob_diff_warn
+        if worst > limit:
+            logger.warning(
+                "step %d: the trainer's recomputed log-probs differ from the %s engine's by up to %.3g "
+                "(rollout.logprob_diff_warn=%g): check that both sample with the same weights, dtype and schedule",
+                step,
+                self.config.rollout.engine,
+                worst,
+                limit,
+            )
 
     def publish_weights(self, version: int) -> None:
         """Hand the new weights to the rollout engine; the full LoRA is gathered only if someone needs

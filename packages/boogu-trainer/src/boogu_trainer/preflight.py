@@ -61,7 +61,8 @@ SYNC_PROBE_STEPS = 1
 SYNC_DELTA = 1e-2
 """Added to every ``lora_B`` for the weight-sync check (then undone)."""
 CUDA_LOGPROB_RTOL = 1e-3
-"""On CUDA the on-policy check allows |diff| <= rtol * max(1, |log p|); on CPU it must be exactly 0."""
+"""On CUDA, or with an engine holding its own copy of the model, the on-policy check allows
+|diff| <= rtol * max(1, |log p|); the local engine on CPU must match exactly (0)."""
 
 CHECKS = ("lora_targets", "reward_spread", "on_policy_ratio", "gradients", "weight_sync")
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -385,12 +386,19 @@ def check_ratio_and_gradients(trainer: Trainer, traj: Trajectory) -> tuple[Check
     scale_h = float(host[-1])
 
     cuda = device.type == "cuda"
-    tol = CUDA_LOGPROB_RTOL * scale_h if cuda else 0.0
+    # An engine with its own copy of the model (vllm-omni's transformer port, another process) agrees
+    # to float rounding, like CUDA kernels; the local engine on CPU runs the very same ops: exactly 0.
+    own_copy = trainer.engine is not trainer.local_engine
+    tol = CUDA_LOGPROB_RTOL * scale_h if (cuda or own_copy) else 0.0
+    if own_copy:
+        rule = f"{type(trainer.engine).__name__}: |diff| <= {CUDA_LOGPROB_RTOL:g} x max(1, |log p|)"
+    else:
+        rule = "exact (CPU)" if not cuda else f"CUDA: |diff| <= {CUDA_LOGPROB_RTOL:g} x max(1, |log p|)"
     ratio = CheckResult(
         "on_policy_ratio",
         diff_h <= tol,
         {"max_abs_logprob_diff": diff_h, "tolerance": tol, "window_steps": traj.window_size},
-        "exact (CPU)" if not cuda else f"CUDA: |diff| <= {CUDA_LOGPROB_RTOL:g} x max(1, |log p|)",
+        rule,
     )
     exercised = [i for i in range(len(layers)) if ran_h[i] > 0]
     dead = [layers[i][0] for i in exercised if not (norms_h[i] > 0 and math.isfinite(float(norms_h[i])))]
@@ -560,7 +568,9 @@ def _restore(trainer: Trainer, s: _Saved) -> None:
         for k, v in s.ema.items():
             s.ema_dict[k].copy_(v)
     trainer._gathered = s.gathered
-    if s.version is not None:
+    if s.version is not None and hasattr(engine, "relabel"):
+        engine.relabel(s.version)  # a worker holding a copy: the weights are back, so is the label
+    elif s.version is not None:
         engine._version = s.version
     if hasattr(engine, "sync_log"):
         engine.sync_log[:] = s.sync_log

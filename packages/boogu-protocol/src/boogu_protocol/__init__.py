@@ -1,0 +1,211 @@
+"""The trainer <-> rollout-worker wire format (installed in both environments; torch + safetensors).
+
+Every request and response body is one safetensors blob: named tensors, and a JSON document stored
+in the safetensors metadata under ``"boogu"``. Nothing is pickled, so a worker in another
+environment (vllm-omni's, with its own torch) or on another machine reads exactly what was sent.
+
+Endpoints (HTTP/1.1 on the worker, ``rollout.vllm.url``):
+
+* ``GET /health`` -> JSON ``{"status": "ok", "protocol": PROTOCOL_VERSION, "backend": ..., "model": ...,
+  "lora_version": int, "lora_fingerprint": str | null}``.
+* ``POST /lora`` with ``{"version", "peft_config"}`` and the LoRA tensors (the trainer's file keys) ->
+  ``{"version", "fingerprint", "keys"}`` once the adapter is loaded; 409 and the key names when a
+  key attaches to nothing in the worker's transformer. ``{"version", "clear": true}`` without
+  tensors returns the worker to the base weights; ``{"version", "reset": true}`` does that and
+  restarts the version count at ``version`` (a trainer connecting); ``{"version", "relabel": true}``
+  keeps the weights and calls them ``version`` (a trainer that put back earlier weights).
+* ``POST /generate`` with a :class:`RolloutSpec` (``meta["spec"]``) and the reference images
+  (``ref_image.{i}``, uint8 bytes of the encoded file) -> the trajectory tensors (see
+  ``docs/vllm-omni.md``) and ``{"window", "weights_version", "lora_fingerprint", "nfe", "timings"}``.
+* ``POST /shutdown``.
+
+Errors come back as JSON ``{"error": message, "kind": name}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "GroupSpec",
+    "ProtocolError",
+    "RolloutSpec",
+    "bytes_tensor",
+    "lora_fingerprint",
+    "pack",
+    "tensor_bytes",
+    "unpack",
+]
+
+__version__ = "0.1.0"
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever a field changes meaning; the engine refuses a worker that speaks another."""
+
+_META_KEY = "boogu"
+
+
+class ProtocolError(ValueError):
+    """A message that is not a valid protocol message (says which field and what was expected)."""
+
+
+def pack(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> bytes:
+    """One message: ``meta`` (JSON-able) and ``tensors`` (contiguous CPU copies are made here)."""
+    try:
+        text = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ProtocolError(f"message metadata is not JSON-able: {error}") from None
+    payload = {}
+    for name, tensor in (tensors or {}).items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ProtocolError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        payload[name] = tensor.detach().to("cpu").contiguous()
+    return _st_save(payload, metadata={_META_KEY: text})
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The ``(meta, tensors)`` of a message made by :func:`pack`."""
+    if len(data) < 8:
+        raise ProtocolError(f"message of {len(data)} bytes is too short for a safetensors header")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len <= 0 or 8 + header_len > len(data):
+        raise ProtocolError(f"message header length {header_len} does not fit a {len(data)}-byte message")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        meta = json.loads(header.get("__metadata__", {})[_META_KEY])
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ProtocolError(f"message carries no '{_META_KEY}' metadata: {error}") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"message metadata must be a JSON object, got {type(meta).__name__}")
+    try:
+        tensors = dict(_st_load(data))
+    except Exception as error:  # safetensors raises its own error type
+        raise ProtocolError(f"message tensors do not decode: {error}") from None
+    return meta, tensors
+
+
+def bytes_tensor(data: bytes) -> torch.Tensor:
+    """Raw bytes (an encoded image file) as a 1-D uint8 tensor."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The inverse of :func:`bytes_tensor`."""
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise ProtocolError(f"expected a 1-D uint8 tensor of bytes, got {tensor.dtype} {tuple(tensor.shape)}")
+    return tensor.numpy().tobytes()
+
+
+def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """A cheap, order-independent checksum of LoRA tensors (per key: sum, abs-sum and square-sum in
+    float64, hashed with the key and shape). One device-to-host copy for the whole state.
+
+    The trainer fingerprints what it sends and the worker what it loaded: equal fingerprints mean
+    the rollout samples with the weights the trainer trained.
+    """
+    keys = sorted(state)
+    if not keys:
+        return hashlib.sha256(b"").hexdigest()[:16]
+    stats = torch.stack(
+        [
+            torch.stack([t.double().sum(), t.double().abs().sum(), t.double().pow(2).sum()])
+            for t in (state[k].detach() for k in keys)
+        ]
+    ).cpu()
+    h = hashlib.sha256()
+    for key, row in zip(keys, stats, strict=True):
+        h.update(key.encode())
+        h.update(row.numpy().tobytes())
+        h.update(str(tuple(state[key].shape)).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One prompt group: its instruction, negative, and the index of its reference image (or None)."""
+
+    instruction: str
+    negative: str = ""
+    ref_image: int | None = None
+    """Index ``i`` of the tensor ``ref_image.{i}`` carrying the encoded image file; None for T2I."""
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """A rollout request as it crosses the wire (the trainer's ``RolloutRequest`` minus the images).
+
+    Field meanings are those of ``boogu_adapters.types.RolloutRequest``; ``window`` holds the fields
+    of ``boogu_schedule.WindowPlan`` (``kind, size, window_range, start, scope, stride, every``).
+    """
+
+    groups: tuple[GroupSpec, ...]
+    group_size: int
+    num_steps: int
+    guidance_scale: float
+    sampler: str
+    noise_level: float
+    window: dict[str, Any]
+    height: int
+    width: int
+    seed: int
+    group_offset: int = 0
+    iteration: int = 0
+    decode: bool = True
+    protocol: int = PROTOCOL_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as plain JSON types (lists, not tuples), as it reads back from the wire."""
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, data: Any) -> RolloutSpec:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"spec must be a JSON object, got {type(data).__name__}")
+        if data.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"spec.protocol is {data.get('protocol')!r}; this side speaks protocol {PROTOCOL_VERSION}"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ProtocolError(f"spec has unknown fields {unknown}")
+        required = {
+            k
+            for k, f in cls.__dataclass_fields__.items()
+            if f.default is MISSING and f.default_factory is MISSING
+        }
+        missing = sorted(required - set(data))
+        if missing:
+            raise ProtocolError(f"spec lacks the fields {missing}")
+        groups = data["groups"]
+        if not isinstance(groups, list | tuple) or not groups:
+            raise ProtocolError("spec.groups must be a non-empty list")
+        parsed = []
+        for g, group in enumerate(groups):
+            if not isinstance(group, dict) or not isinstance(group.get("instruction"), str):
+                raise ProtocolError(f"spec.groups[{g}] must be an object with a string 'instruction'")
+            parsed.append(GroupSpec(**group))
+        checks = {
+            "group_size": (int, lambda v: v >= 1, ">= 1"),
+            "num_steps": (int, lambda v: v >= 1, ">= 1"),
+            "guidance_scale": ((int, float), lambda v: v >= 1.0, ">= 1"),
+            "noise_level": ((int, float), lambda v: v >= 0.0, ">= 0"),
+            "height": (int, lambda v: v > 0, "> 0"),
+            "width": (int, lambda v: v > 0, "> 0"),
+            "seed": (int, lambda v: True, "an int"),
+        }
+        for name, (types, ok, expected) in checks.items():
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
+                raise ProtocolError(f"spec.{name} must be {expected}, got {value!r}")
+        return cls(**{**data, "groups": tuple(parsed)})

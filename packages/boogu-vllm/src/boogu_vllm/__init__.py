@@ -1,0 +1,1 @@
+"""Boogu FlowGRPO rollouts in vllm-omni."""

@@ -1,0 +1,124 @@
+"""boogu-protocol: the wire format between the trainer and the rollout worker (no vllm needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boogu_protocol import (
+    PROTOCOL_VERSION,
+    GroupSpec,
+    ProtocolError,
+    RolloutSpec,
+    bytes_tensor,
+    lora_fingerprint,
+    pack,
+    tensor_bytes,
+    unpack,
+)
+
+
+def spec(**changes) -> dict:
+    base = RolloutSpec(
+        groups=(GroupSpec("a red fox", negative="blurry"), GroupSpec("edit it", ref_image=0)),
+        group_size=2,
+        num_steps=4,
+        guidance_scale=3.0,
+        sampler="flow_sde",
+        noise_level=0.7,
+        window={"kind": "random", "size": 2, "window_range": [0, 3]},
+        height=32,
+        width=32,
+        seed=5,
+    ).to_json()
+    base.update(changes)
+    return base
+
+
+def test_messages_round_trip_every_dtype_bitwise():
+    tensors = {
+        "f32": torch.randn(2, 3),
+        "bf16": torch.randn(4).bfloat16(),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "i64": torch.tensor([-1, 5]),
+        "strided": torch.randn(4, 4).t(),  # non-contiguous input is made contiguous
+    }
+    meta, back = unpack(pack({"spec": spec(), "x": [1, 2.5, None]}, tensors))
+    assert meta == {"spec": spec(), "x": [1, 2.5, None]}
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_bad_messages_say_what_is_wrong():
+    with pytest.raises(ProtocolError, match="too short"):
+        unpack(b"abc")
+    with pytest.raises(ProtocolError, match="does not fit"):
+        unpack((10**6).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ProtocolError, match="no 'boogu' metadata"):
+        from safetensors.torch import save
+
+        unpack(save({"x": torch.zeros(1)}))
+    with pytest.raises(ProtocolError, match="not JSON-able"):
+        pack({"x": float("nan")})
+    with pytest.raises(ProtocolError, match="'x' is a list"):
+        pack({}, {"x": [1]})
+
+
+def test_reference_images_travel_as_bytes():
+    data = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+    assert tensor_bytes(bytes_tensor(data)) == data
+    with pytest.raises(ProtocolError, match="1-D uint8"):
+        tensor_bytes(torch.zeros(2, 2))
+
+
+def test_rollout_spec_validates_each_field_by_name():
+    parsed = RolloutSpec.from_json(spec())
+    assert parsed.groups[1] == GroupSpec("edit it", "", 0) and parsed.protocol == PROTOCOL_VERSION
+    assert RolloutSpec.from_json(parsed.to_json()) == parsed
+    cases = {
+        "protocol": (spec(protocol=PROTOCOL_VERSION + 1), "spec.protocol"),
+        "unknown": (spec(temperature=1.0), r"unknown fields \['temperature'\]"),
+        "groups": (spec(groups=[]), "spec.groups must be a non-empty list"),
+        "group": (spec(groups=[{"negative": "x"}]), r"spec.groups\[0\]"),
+        "group_size": (spec(group_size=0), "spec.group_size must be >= 1"),
+        "guidance": (spec(guidance_scale=0.5), "spec.guidance_scale must be >= 1"),
+        "bool": (spec(seed=True), "spec.seed must be an int"),
+    }
+    for data, message in cases.values():
+        with pytest.raises(ProtocolError, match=message):
+            RolloutSpec.from_json(data)
+    missing = spec()
+    del missing["seed"]
+    with pytest.raises(ProtocolError, match=r"lacks the fields \['seed'\]"):
+        RolloutSpec.from_json(missing)
+
+
+def test_lora_fingerprint_is_order_free_and_sees_every_change():
+    state = {"a.lora_A.weight": torch.randn(4, 8), "a.lora_B.weight": torch.zeros(8, 4)}
+    same = dict(reversed(list(state.items())))
+    assert lora_fingerprint(state) == lora_fingerprint(same)
+    changed = {**state, "a.lora_B.weight": state["a.lora_B.weight"].clone()}
+    changed["a.lora_B.weight"][3, 1] = 1e-6
+    assert lora_fingerprint(changed) != lora_fingerprint(state)
+    renamed = {"b.lora_A.weight": state["a.lora_A.weight"], "b.lora_B.weight": state["a.lora_B.weight"]}
+    assert lora_fingerprint(renamed) != lora_fingerprint(state)
+    from boogu_adapters.lora import lora_fingerprint as trainer_side
+
+    assert trainer_side is lora_fingerprint  # one algorithm on both sides of a sync
+
+
+def test_vllm_engine_config_is_checked_by_name():
+    from boogu_trainer.config import ConfigError, load_config
+
+    config = load_config(None, ["rollout.engine=vllm_omni", "rollout.vllm.url=http://a:1,http://b:2"])
+    assert (
+        config.rollout.vllm.url_for_rank(0) == "http://a:1"
+        and config.rollout.vllm.url_for_rank(3) == "http://b:2"
+    )
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.url"):
+        load_config(None, ["rollout.vllm.url=localhost:8765"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine"):
+        load_config(None, ["rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.request_timeout_s"):
+        load_config(None, ["rollout.vllm.request_timeout_s=0"])
