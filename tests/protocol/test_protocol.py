@@ -116,6 +116,8 @@ def test_vllm_engine_config_is_checked_by_name():
         config.rollout.vllm.url_for_rank(0) == "http://a:1"
         and config.rollout.vllm.url_for_rank(3) == "http://b:2"
     )
+    per_rank = load_config(None, ["rollout.vllm.devices=4,5;6,7"]).rollout.vllm
+    assert [per_rank.devices_for_rank(r) for r in range(3)] == ["4,5", "6,7", "4,5"]
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.url"):
         load_config(None, ["rollout.vllm.url=localhost:8765"])
     with pytest.raises(ConfigError, match=r"rollout\.engine"):

@@ -227,7 +227,7 @@ class VllmConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """A launched worker's model dtype (auto: bfloat16 on GPU, float32 on CPU)."""
     devices: str | None = None
-    """CUDA_VISIBLE_DEVICES for a launched worker (e.g. '4,5'); null: inherited."""
+    """CUDA_VISIBLE_DEVICES for a launched worker (e.g. '4,5'; per rank separated by ';': '4,5;6,7' gives rank r the r-th); null: inherited."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Extra vllm-omni engine arguments for a launched omni worker (e.g. {cfg_parallel_size: 2})."""
     startup_timeout_s: float = 900.0
@@ -246,6 +246,12 @@ class VllmConfig:
                     self.url,
                     "http://host:port[,http://...]",
                 )
+
+    def devices_for_rank(self, rank: int) -> str | None:
+        if self.devices is None:
+            return None
+        groups = [d.strip() for d in self.devices.split(";")]
+        return groups[rank % len(groups)]
 
     def url_for_rank(self, rank: int) -> str | None:
         if self.url is None:

@@ -241,7 +241,9 @@ class Trainer:
             python=v.python,
             device=self.device,
             worker_args=args,
-            env={"CUDA_VISIBLE_DEVICES": v.devices} if v.devices is not None else None,
+            env={"CUDA_VISIBLE_DEVICES": v.devices_for_rank(self.dist.rank)}
+            if v.devices is not None
+            else None,
             startup_timeout_s=v.startup_timeout_s,
             request_timeout_s=v.request_timeout_s,
             log_path=log_path,
