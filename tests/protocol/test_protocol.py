@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -84,6 +86,16 @@ def test_rollout_spec_validates_each_field_by_name():
         "group_size": (spec(group_size=0), "spec.group_size must be >= 1"),
         "guidance": (spec(guidance_scale=0.5), "spec.guidance_scale must be >= 1"),
         "bool": (spec(seed=True), "spec.seed must be an int"),
+        "group key": (
+            spec(groups=[{"instruction": "a", "image": 0}]),
+            r"spec.groups\[0\] has unknown fields \['image'\]",
+        ),
+        "ref type": (spec(groups=[{"instruction": "a", "ref_image": "0"}]), r"spec.groups\[0\].ref_image"),
+        "negative type": (spec(groups=[{"instruction": "a", "negative": 1}]), r"spec.groups\[0\].negative"),
+        "window key": (spec(window={"kind": "random", "width": 2}), "spec.window must be an object"),
+        "extra": (spec(extra={"eta": 1}), r"spec.extra is reserved"),
+        "offset": (spec(group_offset=-1), "spec.group_offset must be an int >= 0"),
+        "decode": (spec(decode="yes"), "spec.decode must be true or false"),
     }
     for data, message in cases.values():
         with pytest.raises(ProtocolError, match=message):
@@ -112,15 +124,36 @@ def test_vllm_engine_config_is_checked_by_name():
     from boogu_trainer.config import ConfigError, load_config
 
     config = load_config(None, ["rollout.engine=vllm_omni", "rollout.vllm.url=http://a:1,http://b:2"])
-    assert (
-        config.rollout.vllm.url_for_rank(0) == "http://a:1"
-        and config.rollout.vllm.url_for_rank(3) == "http://b:2"
-    )
+    assert [config.rollout.vllm.url_for_rank(r, 2) for r in range(2)] == ["http://a:1", "http://b:2"]
+    with pytest.raises(ConfigError, match=r"lists 2 worker\(s\) for 3 rank\(s\)"):
+        config.rollout.vllm.url_for_rank(0, 3)  # a worker serves one trainer rank
     per_rank = load_config(None, ["rollout.vllm.devices=4,5;6,7"]).rollout.vllm
-    assert [per_rank.devices_for_rank(r) for r in range(3)] == ["4,5", "6,7", "4,5"]
+    assert [per_rank.devices_for_rank(r, 2) for r in range(2)] == ["4,5", "6,7"]
+    with pytest.raises(ConfigError, match=r"2 device group\(s\) for 1 rank"):
+        per_rank.devices_for_rank(0, 1)
+    with pytest.raises(ConfigError, match=r"model\.edit_vlm_view='processor'"):
+        load_config(None, ["rollout.engine=vllm_omni", "model.edit_vlm_view=processor"])
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.url"):
         load_config(None, ["rollout.vllm.url=localhost:8765"])
     with pytest.raises(ConfigError, match=r"rollout\.engine"):
         load_config(None, ["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.request_timeout_s"):
         load_config(None, ["rollout.vllm.request_timeout_s=0"])
+
+
+def test_checkpoint_identity_follows_the_bytes_not_the_path(tmp_path):
+    from boogu_protocol import checkpoint_identity
+
+    root = tmp_path / "a"
+    (root / "transformer").mkdir(parents=True)
+    (root / "scheduler").mkdir()
+    (root / "transformer" / "config.json").write_text('{"hidden_size": 64}')
+    (root / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0}')
+    (root / "transformer" / "w.safetensors").write_bytes(bytes(range(256)) * 9000)
+    copy = tmp_path / "b"
+    shutil.copytree(root, copy)
+    assert checkpoint_identity(root) == checkpoint_identity(copy)
+    weights = bytearray((copy / "transformer" / "w.safetensors").read_bytes())
+    weights[-5] ^= 1  # Base and Edit share a config: the weights' bytes must count
+    (copy / "transformer" / "w.safetensors").write_bytes(bytes(weights))
+    assert checkpoint_identity(root) != checkpoint_identity(copy)

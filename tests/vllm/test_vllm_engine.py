@@ -33,7 +33,7 @@ from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_adapters.vllm_engine import RolloutWorkerError, VllmOmniRolloutEngine, default_project_dir
 from boogu_data import PromptRecord
-from boogu_protocol import PROTOCOL_VERSION, pack
+from boogu_protocol import PROTOCOL_VERSION, checkpoint_identity, pack
 from boogu_schedule import WindowPlan
 
 pytestmark = pytest.mark.vllm
@@ -43,8 +43,8 @@ TOL = 1e-5
 two torch and transformers releases, the same float32 math."""
 
 
-def png(text: str, size: int = 32) -> bytes:
-    img = Image.new("RGB", (size, size), "white")
+def png(text: str, size: tuple[int, int] = (32, 32)) -> bytes:
+    img = Image.new("RGB", size, "white")
     ImageDraw.Draw(img).text((2, 10), text, fill="black")
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -56,8 +56,11 @@ T2I = [
     PromptRecord(instruction='A mug printed with "TEA"', ground_truth="TEA"),
 ]
 EDIT = [
-    PromptRecord(instruction='Change the text to "SALE"', ground_truth="SALE", ref_image=png("OPEN")),
-    PromptRecord(instruction='Change the text to "TEA"', ground_truth="TEA", ref_image=png("MUG")),
+    # Non-square and not the request's 32x32: the output follows the reference's size (48 wide, 32 high).
+    PromptRecord(
+        instruction='Change the text to "SALE"', ground_truth="SALE", ref_image=png("OPEN", (48, 32))
+    ),
+    PromptRecord(instruction='Change the text to "TEA"', ground_truth="TEA", ref_image=png("MUG", (48, 32))),
 ]
 
 
@@ -148,7 +151,7 @@ def test_worker_trajectories_equal_the_local_engines(worker, base_engine, base_r
     print(f"max |vllm-omni - local| ({'edit' if records is EDIT else 't2i'}, g={guidance}):", diffs)
     assert remote.weights_version == 0
     if records is EDIT:
-        assert remote.conditioning.is_edit and remote.images.shape[-2:] == (32, 32)
+        assert remote.conditioning.is_edit and remote.images.shape[-2:] == (32, 48)
     base_runs[(records is EDIT, guidance)] = (remote, local)
 
 
@@ -207,6 +210,12 @@ def test_clear_errors(worker, tiny_checkpoint, tmp_path):
         VllmOmniRolloutEngine(tiny_checkpoint, project_dir=tmp_path / "nowhere")
     with pytest.raises(RolloutWorkerError, match="exited with code"):
         VllmOmniRolloutEngine(tmp_path / "not-a-checkpoint", startup_timeout_s=60)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    config = other / "scheduler" / "scheduler_config.json"
+    config.write_text(config.read_text().replace("{", '{"note": "another checkpoint", ', 1))
+    with pytest.raises(RolloutWorkerError, match="both must load the same checkpoint"):
+        VllmOmniRolloutEngine(other, url=worker.url)
     spec = {**worker.spec(request(T2I, 1.0))[0].to_json(), "groups": []}
     with pytest.raises(RolloutWorkerError, match=r"400 ProtocolError: spec.groups must be a non-empty list"):
         worker._call("POST", "/generate", pack({"spec": spec}))
@@ -256,6 +265,7 @@ class _SlowWorker(BaseHTTPRequestHandler):
     """Answers like a worker, but never finishes a rollout in time."""
 
     protocol_version = "HTTP/1.1"
+    identity = ""  # the checkpoint identity it claims to serve
 
     def log_message(self, *args) -> None:
         pass
@@ -267,7 +277,13 @@ class _SlowWorker(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        self._send(json.dumps({"status": "ok", "protocol": PROTOCOL_VERSION, "backend": "slow"}).encode())
+        health = {
+            "status": "ok",
+            "protocol": PROTOCOL_VERSION,
+            "backend": "slow",
+            "model_identity": self.identity,
+        }
+        self._send(json.dumps(health).encode())
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -277,6 +293,7 @@ class _SlowWorker(BaseHTTPRequestHandler):
 
 
 def test_a_request_that_times_out_stops_with_the_setting_named(tiny_checkpoint):
+    _SlowWorker.identity = checkpoint_identity(tiny_checkpoint)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowWorker)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

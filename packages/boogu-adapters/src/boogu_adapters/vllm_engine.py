@@ -42,12 +42,20 @@ from boogu_protocol import (
     ProtocolError,
     RolloutSpec,
     bytes_tensor,
+    checkpoint_identity,
     lora_fingerprint,
     pack,
     unpack,
 )
 
 __all__ = ["RolloutWorkerError", "VllmOmniRolloutEngine", "default_project_dir"]
+
+
+_NOT_INHERITED = frozenset(
+    {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+     "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+)  # fmt: skip
+"""Trainer-process variables a launched worker must not see."""
 
 
 class RolloutWorkerError(RuntimeError):
@@ -109,6 +117,16 @@ class VllmOmniRolloutEngine:
         self._process: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.log_path: Path | None = None
+        self.url: str | None = None
+        self._host: str | None = None
+        self._port = 0
+        try:  # a launched worker never outlives a failed start (nor a Ctrl-C while it loads)
+            self._connect(url, project_dir, python, worker_args, env, startup_timeout_s, log_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, url, project_dir, python, worker_args, env, startup_timeout_s, log_path) -> None:
         if url is None:
             url = self._launch(project_dir, python, worker_args, env, startup_timeout_s, log_path)
         self.url = url.rstrip("/")
@@ -121,6 +139,13 @@ class VllmOmniRolloutEngine:
             raise RolloutWorkerError(
                 f"the rollout worker at {self.url} speaks protocol {health.get('protocol')!r}, this trainer "
                 f"speaks {PROTOCOL_VERSION}: update packages/boogu-vllm on the worker side"
+            )
+        mine = checkpoint_identity(self.model_dir)
+        if health.get("model_identity") != mine:
+            raise RolloutWorkerError(
+                f"the rollout worker at {self.url} serves {health.get('model')} (identity "
+                f"{health.get('model_identity')}), the trainer trains {self.model_dir} ({mine}): both must "
+                "load the same checkpoint (only the LoRA travels)"
             )
         self.worker_info = health
         # Start from the base weights at version 0, whatever an earlier trainer left loaded.
@@ -143,11 +168,15 @@ class VllmOmniRolloutEngine:
         self.log_path = Path(log_path) if log_path is not None else Path(self._tmp.name) / "worker.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [interpreter, "-m", "boogu_vllm.worker", "--model", self.model_dir, "--port", "0",
-               "--ready-file", str(ready), *worker_args]  # fmt: skip
-        child_env = {**os.environ, **(env or {})}
-        # The worker runs in its own environment: the trainer's virtualenv must not leak into it.
-        for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-            child_env.pop(key, None)
+               "--ready-file", str(ready), "--parent-pid", str(os.getpid()), *worker_args]  # fmt: skip
+        # The worker runs in its own environment and its own (one-process) distributed world: neither
+        # the trainer's virtualenv nor torchrun's rendezvous variables may leak into it.
+        child_env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in _NOT_INHERITED and not k.startswith("TORCHELASTIC_")
+        }
+        child_env.update(env or {})
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it for its lifetime)
         try:
             self._process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
@@ -207,8 +236,11 @@ class VllmOmniRolloutEngine:
         if response.status != 200:
             try:
                 detail = json.loads(data)
-                message, kind = detail.get("error", data.decode(errors="replace")), detail.get("kind", "")
             except ValueError:
+                detail = None
+            if isinstance(detail, dict):
+                message, kind = detail.get("error", data.decode(errors="replace")), detail.get("kind", "")
+            else:
                 message, kind = data.decode(errors="replace"), ""
             if kind == "LoraSyncError":
                 raise WeightSyncError(f"the rollout worker refused the LoRA: {message}")
@@ -260,7 +292,7 @@ class VllmOmniRolloutEngine:
 
     def close(self) -> None:
         if self._process is not None:
-            if self._process.poll() is None:
+            if self._process.poll() is None and self._host is not None:
                 try:
                     self._call("POST", "/shutdown", b"", timeout=10.0)
                     self._process.wait(timeout=30)

@@ -7,7 +7,7 @@ environment (vllm-omni's, with its own torch) or on another machine reads exactl
 Endpoints (HTTP/1.1 on the worker, ``rollout.vllm.url``):
 
 * ``GET /health`` -> JSON ``{"status": "ok", "protocol": PROTOCOL_VERSION, "backend": ..., "model": ...,
-  "lora_version": int, "lora_fingerprint": str | null}``.
+  "model_identity": checkpoint_identity(model), "lora_version": int, "lora_fingerprint": str | null}``.
 * ``POST /lora`` with ``{"version", "peft_config"}`` and the LoRA tensors (the trainer's file keys) ->
   ``{"version", "fingerprint", "keys"}`` once the adapter is loaded; 409 and the key names when a
   key attaches to nothing in the worker's transformer. ``{"version", "clear": true}`` without
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ __all__ = [
     "ProtocolError",
     "RolloutSpec",
     "bytes_tensor",
+    "checkpoint_identity",
     "lora_fingerprint",
     "pack",
     "tensor_bytes",
@@ -129,6 +132,30 @@ def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def checkpoint_identity(model_dir: str | os.PathLike[str]) -> str:
+    """A cheap identity of a checkpoint folder, the same wherever it is copied: the transformer's and
+    the scheduler's configs, and per transformer weight file its name, size and first and last MiB.
+
+    The trainer and the worker must load the same checkpoint (only the LoRA travels); Base and Edit
+    share one config, so the weights' bytes are sampled too. Missing files hash as absent.
+    """
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    for rel in ("transformer/config.json", "scheduler/scheduler_config.json"):
+        path = root / rel
+        h.update(rel.encode())
+        h.update(path.read_bytes() if path.is_file() else b"<absent>")
+    chunk = 1 << 20
+    for path in sorted((root / "transformer").glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(chunk))
+            f.seek(max(size - chunk, 0))
+            h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """One prompt group: its instruction, negative, and the index of its reference image (or None)."""
@@ -137,6 +164,10 @@ class GroupSpec:
     negative: str = ""
     ref_image: int | None = None
     """Index ``i`` of the tensor ``ref_image.{i}`` carrying the encoded image file; None for T2I."""
+
+
+_WINDOW_FIELDS = frozenset({"kind", "size", "window_range", "start", "scope", "stride", "every"})
+"""The fields of ``boogu_schedule.WindowPlan`` a spec's ``window`` may carry."""
 
 
 @dataclass(frozen=True)
@@ -191,10 +222,31 @@ class RolloutSpec:
         if not isinstance(groups, list | tuple) or not groups:
             raise ProtocolError("spec.groups must be a non-empty list")
         parsed = []
+        group_fields = set(GroupSpec.__dataclass_fields__)
         for g, group in enumerate(groups):
             if not isinstance(group, dict) or not isinstance(group.get("instruction"), str):
                 raise ProtocolError(f"spec.groups[{g}] must be an object with a string 'instruction'")
+            if set(group) - group_fields:
+                raise ProtocolError(
+                    f"spec.groups[{g}] has unknown fields {sorted(set(group) - group_fields)}"
+                )
+            if not isinstance(group.get("negative", ""), str):
+                raise ProtocolError(f"spec.groups[{g}].negative must be a string")
+            ref = group.get("ref_image")
+            if ref is not None and (isinstance(ref, bool) or not isinstance(ref, int) or ref < 0):
+                raise ProtocolError(f"spec.groups[{g}].ref_image must be null or an int >= 0, got {ref!r}")
             parsed.append(GroupSpec(**group))
+        window = data["window"]
+        if not isinstance(window, dict) or set(window) - _WINDOW_FIELDS:
+            raise ProtocolError(
+                f"spec.window must be an object with fields from {sorted(_WINDOW_FIELDS)}, got {window!r}"
+            )
+        if data.get("extra"):
+            raise ProtocolError(f"spec.extra is reserved and must be empty, got {sorted(data['extra'])}")
+        if not isinstance(data.get("sampler"), str):
+            raise ProtocolError(f"spec.sampler must be a string, got {data.get('sampler')!r}")
+        if not isinstance(data.get("decode", True), bool):
+            raise ProtocolError(f"spec.decode must be true or false, got {data.get('decode')!r}")
         checks = {
             "group_size": (int, lambda v: v >= 1, ">= 1"),
             "num_steps": (int, lambda v: v >= 1, ">= 1"),
@@ -203,9 +255,11 @@ class RolloutSpec:
             "height": (int, lambda v: v > 0, "> 0"),
             "width": (int, lambda v: v > 0, "> 0"),
             "seed": (int, lambda v: True, "an int"),
+            "group_offset": (int, lambda v: v >= 0, "an int >= 0"),
+            "iteration": (int, lambda v: v >= 0, "an int >= 0"),
         }
         for name, (types, ok, expected) in checks.items():
-            value = data[name]
+            value = data.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
                 raise ProtocolError(f"spec.{name} must be {expected}, got {value!r}")
         return cls(**{**data, "groups": tuple(parsed)})

@@ -19,7 +19,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import logging
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import yaml
 
@@ -139,13 +141,17 @@ def preflight_only(config: TrainerConfig) -> int:
     _quiet_libraries()
     device = resolve_device(config.model.device)
     dist = DistEnv.from_environment(config.distributed.backend, device.type, config.distributed.timeout_s)
+    trainer = None
     try:
-        trainer = Trainer(config, dist=dist)
+        # A launched rollout worker logs to a temporary folder: --preflight writes no run folder.
+        trainer = Trainer(config, dist=dist, worker_log_dir=Path(tempfile.mkdtemp(prefix="boogu-preflight-")))
         report = run_preflight(trainer, raise_on_failure=False)
     except PreflightError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 1
     finally:
+        if trainer is not None:
+            trainer.close()
         dist.close()
     if dist.is_main:
         print(report.render())

@@ -247,17 +247,29 @@ class VllmConfig:
                     "http://host:port[,http://...]",
                 )
 
-    def devices_for_rank(self, rank: int) -> str | None:
+    def devices_for_rank(self, rank: int, world_size: int = 1) -> str | None:
+        """This rank's worker's CUDA_VISIBLE_DEVICES: one ';'-separated group per rank."""
         if self.devices is None:
             return None
         groups = [d.strip() for d in self.devices.split(";")]
-        return groups[rank % len(groups)]
+        if len(groups) != world_size:
+            raise ConfigError(
+                f"rollout.vllm.devices={self.devices!r} gives {len(groups)} device group(s) for {world_size} "
+                "rank(s): give one per rank, separated by ';' (each rank launches its own worker)"
+            )
+        return groups[rank]
 
-    def url_for_rank(self, rank: int) -> str | None:
+    def url_for_rank(self, rank: int, world_size: int = 1) -> str | None:
+        """This rank's worker: one URL per rank (a worker serves one trainer rank)."""
         if self.url is None:
             return None
         urls = [u.strip() for u in self.url.split(",")]
-        return urls[rank % len(urls)]
+        if len(urls) != world_size:
+            raise ConfigError(
+                f"rollout.vllm.url lists {len(urls)} worker(s) for {world_size} rank(s): give one per rank "
+                "(a worker serves one trainer rank; two ranks sharing one would reset each other's weights)"
+            )
+        return urls[rank]
 
 
 @dataclass(frozen=True)
@@ -630,6 +642,11 @@ class TrainerConfig:
             raise ConfigError(
                 "sampler.window_size=0: flow_grpo trains on the SDE window's transitions and needs at least "
                 "one; ODE rollouts (0) work with algorithm.name=diffusion_nft or awm"
+            )
+        if self.rollout.engine == "vllm_omni" and self.model.edit_vlm_view != "upstream":
+            raise ConfigError(
+                f"model.edit_vlm_view={self.model.edit_vlm_view!r}: the vllm-omni worker encodes edit references "
+                "the upstream way only; use edit_vlm_view=upstream (the default) or rollout.engine=local"
             )
         if a.loss != "ppo_clip" and a.name != "flow_grpo":
             raise ConfigError(

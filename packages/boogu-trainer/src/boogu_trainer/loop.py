@@ -40,7 +40,7 @@ from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
-from boogu_trainer.config import TrainerConfig, config_to_dict, resolved_model_dtype
+from boogu_trainer.config import ConfigError, TrainerConfig, config_to_dict, resolved_model_dtype
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
 from boogu_trainer.distributed import DistEnv, shard_transformer
 from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker
@@ -124,7 +124,12 @@ class Trainer:
     """
 
     def __init__(
-        self, config: TrainerConfig, *, dist: DistEnv | None = None, parts: BooguParts | None = None
+        self,
+        config: TrainerConfig,
+        *,
+        dist: DistEnv | None = None,
+        parts: BooguParts | None = None,
+        worker_log_dir: Path | None = None,
     ):
         self.device = resolve_device(config.model.device)
         enable_tf32(config, self.device)
@@ -148,9 +153,17 @@ class Trainer:
         )
         """The in-process engine: the encoders and RoPE tables training uses, and the rollouts unless
         ``rollout.engine`` names another engine."""
+        self._worker_log_dir = worker_log_dir if worker_log_dir is not None else config.run_path / "logs"
         self.engine: RolloutEngine = (
             self.local_engine if config.rollout.engine == "local" else self._remote_engine()
         )
+        try:
+            self._build_components(config)
+        except BaseException:
+            self.close()  # a launched rollout worker stops with a failed start
+            raise
+
+    def _build_components(self, config: TrainerConfig) -> None:
         self.rewards = build_rewards(config.reward.rewards)
         self.data = PromptSampler(
             self._records(config.data.train_files),
@@ -231,19 +244,22 @@ class Trainer:
             args += ["--dtype", v.dtype]
         if v.engine_args:
             args += ["--engine-args", json.dumps(v.engine_args)]
-        log_path = (
-            cfg.run_path / "logs" / f"rollout_worker_rank{self.dist.rank}.log" if v.url is None else None
-        )
+        rank, world = self.dist.rank, self.dist.world_size
+        if v.url is None and world > 1 and v.devices is None and self.device.type == "cuda":
+            raise ConfigError(
+                f"rollout.engine=vllm_omni on {world} ranks launches one worker per rank: set rollout.vllm.devices "
+                "to one GPU group per rank (e.g. '4;5;6;7'), or start the workers yourself and list their "
+                "rollout.vllm.url"
+            )
+        log_path = self._worker_log_dir / f"rollout_worker_rank{rank}.log" if v.url is None else None
         return VllmOmniRolloutEngine(
             base_model_path(cfg),
-            url=v.url_for_rank(self.dist.rank),
+            url=v.url_for_rank(rank, world),
             project_dir=v.project,
             python=v.python,
             device=self.device,
             worker_args=args,
-            env={"CUDA_VISIBLE_DEVICES": v.devices_for_rank(self.dist.rank)}
-            if v.devices is not None
-            else None,
+            env={"CUDA_VISIBLE_DEVICES": v.devices_for_rank(rank, world)} if v.devices is not None else None,
             startup_timeout_s=v.startup_timeout_s,
             request_timeout_s=v.request_timeout_s,
             log_path=log_path,
@@ -413,9 +429,9 @@ class Trainer:
         """Warn when training's recomputed log-probs drift from the engine's (another engine's kernels,
         dtype or weights): the ratio is then not 1 on-policy and the clip acts on that drift."""
         diffs = [float(v) for k, v in metrics.items() if k.startswith("logprob_diff/")]
-        worst = max(diffs, default=0.0)
+        worst = max(diffs, default=0.0, key=lambda d: math.inf if math.isnan(d) else d)
         limit = self.config.rollout.logprob_diff_warn
-        if worst > limit:
+        if not worst <= limit:  # NaN too
             logger.warning(
                 "step %d: the trainer's recomputed log-probs differ from the %s engine's by up to %.3g "
                 "(rollout.logprob_diff_warn=%g): check that both sample with the same weights, dtype and schedule",

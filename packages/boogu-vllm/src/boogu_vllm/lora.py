@@ -315,13 +315,12 @@ class LoraSlot:
         vllm-omni's transformer first (:func:`plan_keys`); on any failure the previous adapter (or
         the base model) serves again, never a partial one.
 
-        Returns ``{"version", "fingerprint", "keys"}``. The fingerprint is
-        :func:`lora_fingerprint` over the tensors **read back from vllm-omni's LoRA layers** (the
-        ``lora_a_stacked``/``lora_b_stacked`` slots of each wrapped layer, trimmed to the rank),
-        under the sent keys. lora_B is stored there with the peft scaling (alpha/r) folded in; it
-        is checked bit for bit against ``sent_B.to(dtype) * scaling`` (what the manager computes)
-        and reported un-scaled, i.e. as the sent tensor in the manager's dtype. With a float32
-        model this equals the trainer's own fingerprint; with bf16 it is that of the bf16 copies.
+        Returns ``{"version", "fingerprint", "keys"}``. Every sent pair is **read back from
+        vllm-omni's LoRA layers** (the ``lora_a_stacked``/``lora_b_stacked`` slots of each wrapped
+        layer, trimmed to the rank) and checked bit for bit: A against ``sent_A.to(dtype)``, B
+        against ``sent_B.to(dtype) * scaling`` (the manager folds alpha/r into B). Only then is the
+        fingerprint :func:`lora_fingerprint` of the tensors as received, which equals the trainer's
+        for any model dtype (a bf16 worker holds bf16 copies of the float32 LoRA it was sent).
         """
         peft = dict(peft_config)
         for field in ("r", "lora_alpha", "target_modules"):
@@ -398,8 +397,11 @@ class LoraSlot:
             if not (torch.equal(got_a, sent_a) and torch.equal(got_b, want_b)):
                 mismatched.append(module)
                 continue
-            held[key_a] = got_a
-            held[key_b] = sent_b  # == got_b / scaling, proven bit for bit through want_b above
+            # What the layers hold is proven bit for bit to be the sent tensors in this model's dtype
+            # (B with the scaling folded in); the fingerprint is then that of the tensors as received,
+            # so a bf16 worker acknowledges the trainer's float32 fingerprint.
+            held[key_a] = tensors[key_a].detach()
+            held[key_b] = tensors[key_b].detach()
         if missing or mismatched:
             raise LoraSyncError(
                 f"LoRA sync: after loading, {len(missing)} modules have no active LoRA in vllm-omni "

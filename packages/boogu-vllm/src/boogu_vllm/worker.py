@@ -33,7 +33,15 @@ from typing import Any, Protocol
 
 import torch
 
-from boogu_protocol import PROTOCOL_VERSION, ProtocolError, RolloutSpec, pack, tensor_bytes, unpack
+from boogu_protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    RolloutSpec,
+    checkpoint_identity,
+    pack,
+    tensor_bytes,
+    unpack,
+)
 
 __all__ = ["Backend", "DirectBackend", "main", "serve"]
 
@@ -109,6 +117,7 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.backend = backend
         self.model = model
+        self.model_identity = checkpoint_identity(model)
         self.busy = threading.Lock()  # one model: requests are served one at a time
         self.lora_version = 0
         self.lora_fingerprint: str | None = None
@@ -148,6 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "protocol": PROTOCOL_VERSION,
                 "backend": srv.backend.name,
                 "model": srv.model,
+                "model_identity": srv.model_identity,
                 "pid": os.getpid(),
                 "lora_version": srv.lora_version,
                 "lora_fingerprint": srv.lora_fingerprint,
@@ -218,6 +228,19 @@ class _Handler(BaseHTTPRequestHandler):
         return ack
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """A launched worker must not outlive its trainer (killed with SIGKILL, say), holding the GPUs."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                log.error("the trainer (pid %d) is gone: exiting", parent_pid)
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def serve(backend: Backend, *, host: str, port: int, model: str, ready_file: str | None = None) -> None:
     """Serve until ``POST /shutdown`` (or SIGTERM); writes ``ready_file`` once listening."""
     server = _Server((host, port), backend, model)
@@ -254,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ready-file", default=None, help="write {url, pid, backend} here once serving")
     parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process (the trainer) is gone"
+    )
+    parser.add_argument(
         "--engine-args", default=None, help="omni backend: JSON object of extra vllm-omni engine arguments"
     )
     args = parser.parse_args(argv)
@@ -261,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.model):
         print(f"boogu_vllm.worker: error: --model {args.model} is not a folder", file=sys.stderr)
         return 2
+    if args.parent_pid is not None:
+        _exit_with_parent(args.parent_pid)
     backend_name = args.backend
     if backend_name == "auto":
         backend_name = "omni" if torch.cuda.is_available() else "direct"
@@ -275,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         dtype = getattr(torch, args.dtype or "float32")
-        backend = DirectBackend(
-            args.model, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu"
-        )
+        backend = DirectBackend(args.model, dtype=dtype, device="cpu")  # the CPU shims' path
     log.info("model loaded in %.1f s", time.perf_counter() - t0)
     serve(backend, host=args.host, port=args.port, model=args.model, ready_file=args.ready_file)
     return 0
