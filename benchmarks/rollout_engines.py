@@ -53,9 +53,9 @@ def make_request(args, *, warmup: bool = False) -> RolloutRequest:
     )
 
 
-def timed(engine, request, repeats: int):
+def timed(engine, request, warmup, repeats: int):
     """The fastest of ``repeats`` rollouts (after a warm-up), and the engine's timers over those."""
-    engine.generate(make_request(ARGS, warmup=True))
+    engine.generate(warmup)
     before = dict(engine.stats.seconds)
     seconds, traj = [], None
     for _ in range(repeats):
@@ -71,7 +71,6 @@ def timed(engine, request, repeats: int):
 
 
 def main() -> int:
-    global ARGS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="checkpoint folder (default: a fresh tiny one)")
     parser.add_argument("--size", type=int, default=64)
@@ -84,7 +83,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--worker-python", default=None, help="the rollout environment's python")
     parser.add_argument("--json", default=None)
-    ARGS = args = parser.parse_args()
+    args = parser.parse_args()
     if args.worker_python is None and not (default_project_dir() / ".venv" / "bin" / "python").exists():
         print(
             "rollout_engines: no rollout environment: run `uv sync --locked --project packages/boogu-vllm` "
@@ -111,8 +110,9 @@ def main() -> int:
             return 2
         startup = time.perf_counter() - t0
         try:
-            local_traj, local_s, _ = timed(local, request, args.repeats)
-            remote_traj, remote_s, split = timed(remote, request, args.repeats)
+            warmup = make_request(args, warmup=True)
+            local_traj, local_s, _ = timed(local, request, warmup, args.repeats)
+            remote_traj, remote_s, split = timed(remote, request, warmup, args.repeats)
         finally:
             remote.close()
     images = request.batch_size
@@ -158,8 +158,6 @@ def main() -> int:
     )
     return 0
 
-
-ARGS: argparse.Namespace
 
 if __name__ == "__main__":
     sys.exit(main())

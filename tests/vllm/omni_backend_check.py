@@ -2,7 +2,7 @@
 
 Run with the rollout environment's python (``tests/vllm/test_omni_backend.py`` does)::
 
-    packages/boogu-vllm/.venv/bin/python tests/vllm/omni_backend_check.py <tiny checkpoint dir>
+    packages/boogu-vllm/.venv/bin/python tests/vllm/omni_backend_check.py <tiny checkpoint dir> <targets,...>
 
 A script, not a pytest module: ``boogu_vllm`` and vllm-omni live in the rollout environment
 (packages/boogu-vllm, its own lock: torch 2.13, transformers 5.14, diffusers 0.40), which has neither
@@ -51,33 +51,10 @@ from PIL import Image
 SUMMARY = "omni_backend_check: OK"
 """Start of the last line printed when every check passed (the pytest wrapper looks for it)."""
 
-TARGET_MODULES = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "img_to_q",
-    "img_to_k",
-    "img_to_v",
-    "instruct_to_q",
-    "instruct_to_k",
-    "instruct_to_v",
-    "img_out",
-    "instruct_out",
-    "feed_forward.linear_1",
-    "feed_forward.linear_2",
-    "feed_forward.linear_3",
-    "img_feed_forward.linear_1",
-    "img_feed_forward.linear_2",
-    "img_feed_forward.linear_3",
-    "instruct_feed_forward.linear_1",
-    "instruct_feed_forward.linear_2",
-    "instruct_feed_forward.linear_3",
-)
-"""The trainer's targets: a copy of ``boogu_adapters.model.LORA_TARGET_MODULES`` (the rollout
-environment has no boogu_adapters; test_omni_backend.py checks that the copy is current)."""
+TARGET_MODULES: tuple[str, ...] = ()
+"""The trainer's LoRA targets (``boogu_adapters.model.LORA_TARGET_MODULES``), given on the command line
+by the pytest wrapper: the rollout environment has no boogu_adapters."""
 RANK, ALPHA = 4, 8
-PEFT_CONFIG = {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(TARGET_MODULES)}
 
 _checks: list[str] = []
 
@@ -143,7 +120,12 @@ def tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a tiny Boogu checkpoint folder (boogu_adapters.tiny)")
+    parser.add_argument("targets", help="the trainer's LoRA target modules, comma-separated")
     args = parser.parse_args()
+    global TARGET_MODULES
+    TARGET_MODULES = tuple(t for t in args.targets.split(",") if t)
+    assert TARGET_MODULES, "no LoRA targets given"
+    peft_config = {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(TARGET_MODULES)}
     checkpoint = args.checkpoint.resolve()
     assert (checkpoint / "transformer").is_dir(), f"{checkpoint} is not a Boogu checkpoint folder"
     start = time.perf_counter()
@@ -275,8 +257,8 @@ def main() -> int:
     runs = {0: base}
     for version in (1, 2):
         tensors = lora_tensors(checkpoint, seed=version)
-        ack = omni.load_lora(version, PEFT_CONFIG, tensors)
-        assert ack == direct.load_lora(version, PEFT_CONFIG, tensors), ack
+        ack = omni.load_lora(version, peft_config, tensors)
+        assert ack == direct.load_lora(version, peft_config, tensors), ack
         assert ack == {"version": version, "fingerprint": lora_fingerprint(tensors), "keys": len(tensors)}, (
             ack
         )
@@ -295,7 +277,7 @@ def main() -> int:
     bad["single_stream_layers.0.attn.nope.lora_B.weight"] = torch.zeros(64, RANK)
     for backend in (omni, direct):
         try:
-            backend.load_lora(3, PEFT_CONFIG, bad)
+            backend.load_lora(3, peft_config, bad)
         except LoraSyncError as exc:
             assert "nope" in str(exc), f"{backend.name}: the error does not name the key: {exc}"
         else:

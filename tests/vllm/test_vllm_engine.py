@@ -137,14 +137,9 @@ def base_engine(tiny_checkpoint):
     return build_local_engine(parts, cfg_mode="sequential")
 
 
-@pytest.fixture(scope="module")
-def base_runs():
-    return {}
-
-
 @pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["no_cfg", "cfg"])
 @pytest.mark.parametrize("records", [T2I, EDIT], ids=["t2i", "edit"])
-def test_worker_trajectories_equal_the_local_engines(worker, base_engine, base_runs, records, guidance):
+def test_worker_trajectories_equal_the_local_engines(worker, base_engine, records, guidance):
     req = request(records, guidance)
     remote, local = worker.generate(req), base_engine.generate(req)
     diffs = assert_agree(remote, local)
@@ -152,14 +147,11 @@ def test_worker_trajectories_equal_the_local_engines(worker, base_engine, base_r
     assert remote.weights_version == 0
     if records is EDIT:
         assert remote.conditioning.is_edit and remote.images.shape[-2:] == (32, 48)
-    base_runs[(records is EDIT, guidance)] = (remote, local)
 
 
-def test_lora_sync_round_trip(worker, tiny_checkpoint, base_runs):
+def test_lora_sync_round_trip(worker, base_engine, tiny_checkpoint):
     """Weights trained one step here, synced, and the next rollout moves away from the base model
     exactly as the local engine's does; a key that attaches to nothing is refused and changes nothing."""
-    if (False, 3.0) not in base_runs:
-        pytest.skip("needs the agreement test's base runs")
     parts = load_boogu(tiny_checkpoint, transformer="native")
     model = add_lora(parts.transformer, rank=4, alpha=8, seed=0)
     local = build_local_engine(parts, transformer=model, cfg_mode="sequential")
@@ -177,6 +169,8 @@ def test_lora_sync_round_trip(worker, tiny_checkpoint, base_runs):
     state = {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
     assert any(v.abs().max() > 0 for k, v in state.items() if "lora_B" in k)
 
+    base_worker = worker.generate(req)  # the worker's base rollout, before the sync
+    assert base_worker.weights_version == 0
     worker.sync_weights(1, state)
     assert worker.weights_version == 1 and worker.sync_log[-1] == (1, lora_fingerprint(state))
     assert worker.health()["lora_fingerprint"] == lora_fingerprint(state)
@@ -184,7 +178,7 @@ def test_lora_sync_round_trip(worker, tiny_checkpoint, base_runs):
     remote_lora, local_lora = worker.generate(req), local.generate(req)
     assert remote_lora.weights_version == 1
     assert_agree(remote_lora, local_lora)
-    base_remote, base_local = base_runs[(False, 3.0)]
+    base_remote, base_local = base_worker, base_engine.generate(req)
     moved_remote = remote_lora.final_latents - base_remote.final_latents
     moved_local = local_lora.final_latents - base_local.final_latents
     assert moved_local.abs().max() > 1e-2, "the trained LoRA should change the rollout"

@@ -251,6 +251,11 @@ class LocalRolloutEngine:
         self._version = version
         self.sync_log.append((version, sent))
 
+    def relabel(self, version: int) -> None:
+        """Call the current weights ``version`` (a caller put back weights equal to that version's,
+        as the preflight does after its sync check)."""
+        self._version = version
+
     def close(self) -> None:
         self.transformer = None  # type: ignore[assignment]
 

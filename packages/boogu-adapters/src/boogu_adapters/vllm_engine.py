@@ -19,6 +19,7 @@ worker exiting (with the tail of its log), a request timing out, a protocol mism
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -317,16 +318,7 @@ class VllmOmniRolloutEngine:
             if r.ref_image is not None:
                 ref = images.setdefault(r.ref_image, len(images))
             groups.append(GroupSpec(instruction=r.instruction, negative=r.negative, ref_image=ref))
-        plan = request.window
-        window = {
-            "kind": str(plan.kind),
-            "size": plan.size,
-            "window_range": None if plan.window_range is None else list(plan.window_range),
-            "start": plan.start,
-            "scope": str(plan.scope),
-            "stride": plan.stride,
-            "every": plan.every,
-        }
+        window = dataclasses.asdict(request.window)  # WindowPlan's fields (enums are str, as JSON wants)
         spec = RolloutSpec(
             groups=tuple(groups),
             group_size=request.group_size,

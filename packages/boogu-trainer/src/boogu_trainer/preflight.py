@@ -440,7 +440,7 @@ def _summarize(names: list[str], limit: int = 4) -> str:
 def check_weight_sync(trainer: Trainer, records: list) -> CheckResult:
     """Perturb every ``lora_B``, publish, roll out the deterministic probe; restore, publish, roll out again."""
     engine, dist = trainer.engine, trainer.dist
-    if not (hasattr(engine, "_version") and hasattr(engine, "sync_log")):
+    if not (hasattr(engine, "relabel") and hasattr(engine, "sync_log")):
         return CheckResult(
             "weight_sync", None, {}, f"{type(engine).__name__} cannot be put back to its version: not checked"
         )
@@ -546,7 +546,7 @@ def _save(trainer: Trainer) -> _Saved:
         ema=None if learner.ema is None else {k: v.clone() for k, v in learner.ema.items()},
         ema_dict=learner.ema,
         gathered=trainer._gathered,
-        version=getattr(engine, "_version", None),
+        version=engine.weights_version if hasattr(engine, "relabel") else None,
         sync_log=list(getattr(engine, "sync_log", [])),
         stats=copy.deepcopy(engine.stats.__dict__) if hasattr(engine, "stats") else None,
         forwards=dict(trainer.forwards.counts),
@@ -568,10 +568,8 @@ def _restore(trainer: Trainer, s: _Saved) -> None:
         for k, v in s.ema.items():
             s.ema_dict[k].copy_(v)
     trainer._gathered = s.gathered
-    if s.version is not None and hasattr(engine, "relabel"):
-        engine.relabel(s.version)  # a worker holding a copy: the weights are back, so is the label
-    elif s.version is not None:
-        engine._version = s.version
+    if s.version is not None:
+        engine.relabel(s.version)  # the weights are back (re-synced under a newer number): so is the label
     if hasattr(engine, "sync_log"):
         engine.sync_log[:] = s.sync_log
     if s.stats is not None:
