@@ -17,7 +17,7 @@ reward against cumulative FE and against wall time (``--out DIR``/algorithms.png
 
 (null where a seed never reached the target; the curves and the settings in other keys).
 
-    uv run python benchmarks/algorithms.py [--seeds 3] [--budget-fe 12288] [--target 0.8]
+    uv run python benchmarks/algorithms.py [--seeds 3] [--first-seed 0] [--budget-fe 12288] [--target 0.8]
         [--algorithms flow_grpo,awm] [--set awm:optim.lr=1e-2] [--out DIR] [--json PATH] [--quick]
 
 The default run (5 learners x 3 seeds) took 19 minutes on 2 CPU cores.
@@ -98,8 +98,14 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
         "why": "CFG-free ODE rollouts, 1 schedule level, old = current (the reference's decay type 0: no old-policy forwards; the default lag was <= 0.08 here and ~10% more FE to target); lr 1e-2 beat 3e-3/3e-2, 2 levels, uniform [0.5, 1] and 2 inner epochs no better, beta 0.1 = 1.0",
     },
     "awm": {
-        "overrides": ["algorithm.name=awm", *ODE_NO_CFG, "optim.lr=1e-2", "algorithm.awm.timesteps=1"],
-        "why": "CFG-free ODE rollouts, 1 uniform level in [0, 1]; lr 1e-2 beat 3e-3/3e-2, 2 levels, sigma in [0.5, 1] and 2 inner epochs no better",
+        "overrides": [
+            "algorithm.name=awm",
+            *ODE_NO_CFG,
+            "algorithm.mini_batches=2",
+            "optim.lr=5e-3",
+            "algorithm.awm.timesteps=1",
+        ],
+        "why": "CFG-free ODE rollouts, 1 uniform level in [0, 1], 2 optimizer steps per step (as flow_grpo): on seeds 0-1 1976 FE to 0.80 vs 3240 with 1 mini-batch at lr 1e-2 (3952 at 1e-2); 2 levels, sigma in [0.5, 1] and 2 inner epochs no better",
     },
 }
 """Each algorithm's recommended settings for this task (on top of `TASK`), with the reason."""
@@ -291,7 +297,10 @@ def plot(curves: dict[str, list[dict[str, Any]]], target: float, path: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per algorithm (0, 1, ...)")
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="seeds per algorithm (first-seed, first-seed + 1, ...)"
+    )
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (held-out seeds: 5 and up)")
     parser.add_argument("--budget-fe", type=float, default=BUDGET_FE, help="cum/fe at which a run stops")
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="at most this many steps per run")
     parser.add_argument("--target", type=float, default=TARGET, help="the reward target (smoothed)")
@@ -335,7 +344,7 @@ def main() -> None:
     ):
         for name in names:
             curves[name] = []
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 c = run_one(name, seed, tmp, args.budget_fe, args.max_steps, extra.get(name, []))
                 curves[name].append(c)
                 hit = first_crossing(c, args.target)
@@ -380,6 +389,7 @@ def main() -> None:
             "algorithms": summary,
             "budget_fe": args.budget_fe,
             "seeds": args.seeds,
+            "seed_list": list(range(args.first_seed, args.first_seed + args.seeds)),
             "smooth_steps": SMOOTH,
             "task": TASK,
             "settings": {n: {**ALGORITHMS[n], "extra": extra.get(n, [])} for n in names},

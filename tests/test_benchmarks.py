@@ -69,4 +69,5 @@ def test_algorithms_quick(tmp_path, monkeypatch):
             assert isinstance(values, list) and len(values) == figures["seeds"] == 1
             assert all(v is None or (isinstance(v, int | float) and v > 0) for v in values)
         assert entry["final_reward"][0] is not None
+    assert figures["seed_list"] == [0]
     assert (tmp_path / "algorithms.png").stat().st_size > 0
