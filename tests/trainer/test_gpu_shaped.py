@@ -78,16 +78,20 @@ def _config(tiny_checkpoint, run_dir, *overrides):
 
 def test_rollout_micro_batches_equal_the_whole_batch(tiny_parts):
     """Chunks of 2 and of 4 (a ragged last chunk) against one call: every sample's latents, log-probs
-    and images are the same, bit for bit on this CPU (per-row GEMM results do not depend on the
-    number of rows here; a GPU may differ by rounding, which the trainer's logprob_diff shows)."""
+    and images are the same to float32 rounding. On many CPUs they are bit for bit; on an
+    AVX-512/AMX Xeon the matrix kernels block by row count and 1-3 ulps differ (2.4e-7 seen on
+    latents of |x| ~4). A wrong noise stream, chunk order or CFG pairing differs by O(1)."""
     whole = build_local_engine(tiny_parts, max_sequence_length=256).generate(_request())
     for size in (2, 4):
         engine = build_local_engine(tiny_parts, max_sequence_length=256, micro_batch_size=size)
         got = engine.generate(_request())
         assert engine.stats.transformer_calls == 4 * -(-6 // size)  # 4 steps, batched CFG
         assert engine.stats.transformer_sample_forwards == 4 * 6 * 2
-        for name in ("latents", "log_prob", "mean", "final_latents", "images", "step_index"):
-            assert torch.equal(getattr(got, name), getattr(whole, name)), (size, name)
+        for name in ("latents", "log_prob", "mean", "final_latents"):
+            torch.testing.assert_close(getattr(got, name), getattr(whole, name), rtol=0, atol=2e-6)
+        assert torch.equal(got.step_index, whole.step_index)
+        # uint8 images: an ulp may flip a rounding by one level
+        assert int((got.images.int() - whole.images.int()).abs().max()) <= 1
         assert got.window == whole.window
 
 

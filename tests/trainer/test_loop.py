@@ -88,8 +88,9 @@ def test_run_writes_metrics_samples_curve_and_checkpoints(finished_run):
     # training forwards (with their backward); MFU against a measured CPU peak is a fraction.
     assert all(r["perf/tflops_rollout"] > 0 and r["perf/tflops_train"] > 0 for r in lines)
     assert all(0 < r["perf/mfu"] < 1 for r in lines)
-    # On-policy: before the first update the training log-prob equals the rollout's exactly.
-    assert all(r["logprob_diff/step0"] == 0.0 and r["logprob_diff/step1"] == 0.0 for r in lines)
+    # On-policy: before the first update the training log-prob equals the rollout's (bitwise where
+    # both forwards hold as many rows; a few ulps on CPUs whose matrix kernels block by row count).
+    assert all(r["logprob_diff/step0"] <= 1e-6 and r["logprob_diff/step1"] <= 1e-6 for r in lines)
     assert lines[0]["nfe/rollout_per_image"] == 8  # 4 steps x (positive + negative)
     assert (run / "reward_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0001.png", "step_0002.png"]
