@@ -106,8 +106,9 @@ run, mode = Path(sys.argv[1]), sys.argv[2]
 # as many rows; here the rollout calls carry 8 latents and the training micro-batches 4, and a CPU's
 # matrix kernels may block by row count (6e-8 seen on an AVX-512/AMX Xeon). Another engine's
 # (vllm-omni's transformer port) agree to float rounding. A wrong sign, time or schedule is >= 1e-2.
+from boogu_trainer.preflight import CPU_LOGPROB_RTOL
 engine = yaml.safe_load((run / "config.yaml").read_text())["rollout"]["engine"]
-tol = 1e-6 if engine == "local" else 1e-4
+tol = CPU_LOGPROB_RTOL if engine == "local" else 1e-4
 steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 train = [s for s in steps if "reward/mean" in s]
 assert [s["step"] for s in train] == [1, 2], [s["step"] for s in train]

@@ -51,9 +51,6 @@ from PIL import Image
 SUMMARY = "omni_backend_check: OK"
 """Start of the last line printed when every check passed (the pytest wrapper looks for it)."""
 
-TARGET_MODULES: tuple[str, ...] = ()
-"""The trainer's LoRA targets (``boogu_adapters.model.LORA_TARGET_MODULES``), given on the command line
-by the pytest wrapper: the rollout environment has no boogu_adapters."""
 RANK, ALPHA = 4, 8
 
 _checks: list[str] = []
@@ -64,10 +61,10 @@ def passed(what: str) -> None:
     print(f"ok  {what}", flush=True)
 
 
-def lora_tensors(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
+def lora_tensors(checkpoint: Path, seed: int, targets: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """A trained-looking LoRA in the trainer's file keys (``boogu_adapters.lora.lora_file_key``:
     ``<module>.lora_A.weight`` (r, in), ``<module>.lora_B.weight`` (out, r)) for every linear weight of
-    the checkpoint's transformer that peft's matching of `TARGET_MODULES` hits (the module name or a
+    the checkpoint's transformer that peft's matching of ``targets`` hits (the module name or a
     dotted suffix of it). Random lora_A, nonzero lora_B."""
     from safetensors import safe_open
 
@@ -82,14 +79,14 @@ def lora_tensors(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
         module = key.removesuffix(".weight")
         if module == key or len(shapes[key]) != 2:
             continue
-        if not any(module == t or module.endswith("." + t) for t in TARGET_MODULES):
+        if not any(module == t or module.endswith("." + t) for t in targets):
             continue
         out_features, in_features = shapes[key]
         out[f"{module}.lora_A.weight"] = torch.randn(RANK, in_features, generator=g) / in_features**0.5
         out[f"{module}.lora_B.weight"] = torch.randn(out_features, RANK, generator=g) * 0.05
     assert out, f"no linear weight in {checkpoint / 'transformer'} matches the LoRA targets"
     # Every target names some layer of the tiny model (it has every kind of block).
-    missing = [t for t in TARGET_MODULES if not any(k.endswith(f".{t}.lora_A.weight") for k in out)]
+    missing = [t for t in targets if not any(k.endswith(f".{t}.lora_A.weight") for k in out)]
     assert not missing, f"LoRA targets that match nothing in the checkpoint: {missing}"
     return out
 
@@ -122,10 +119,10 @@ def main() -> int:
     parser.add_argument("checkpoint", type=Path, help="a tiny Boogu checkpoint folder (boogu_adapters.tiny)")
     parser.add_argument("targets", help="the trainer's LoRA target modules, comma-separated")
     args = parser.parse_args()
-    global TARGET_MODULES
-    TARGET_MODULES = tuple(t for t in args.targets.split(",") if t)
-    assert TARGET_MODULES, "no LoRA targets given"
-    peft_config = {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(TARGET_MODULES)}
+    # The trainer's targets (boogu_adapters.model.LORA_TARGET_MODULES; the rollout env has no boogu_adapters).
+    targets = tuple(t for t in args.targets.split(",") if t)
+    assert targets, "no LoRA targets given"
+    peft_config = {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(targets)}
     checkpoint = args.checkpoint.resolve()
     assert (checkpoint / "transformer").is_dir(), f"{checkpoint} is not a Boogu checkpoint folder"
     start = time.perf_counter()
@@ -256,7 +253,7 @@ def main() -> int:
     # ---- LoRA v1, v2 ---------------------------------------------------------------------------------
     runs = {0: base}
     for version in (1, 2):
-        tensors = lora_tensors(checkpoint, seed=version)
+        tensors = lora_tensors(checkpoint, seed=version, targets=targets)
         ack = omni.load_lora(version, peft_config, tensors)
         assert ack == direct.load_lora(version, peft_config, tensors), ack
         assert ack == {"version": version, "fingerprint": lora_fingerprint(tensors), "keys": len(tensors)}, (
@@ -272,7 +269,7 @@ def main() -> int:
     fingerprint_v2 = ack["fingerprint"]
 
     # ---- a key that attaches to nothing ----------------------------------------------------------------
-    bad = lora_tensors(checkpoint, seed=3)
+    bad = lora_tensors(checkpoint, seed=3, targets=targets)
     bad["single_stream_layers.0.attn.nope.lora_A.weight"] = torch.zeros(RANK, 64)
     bad["single_stream_layers.0.attn.nope.lora_B.weight"] = torch.zeros(64, RANK)
     for backend in (omni, direct):

@@ -394,13 +394,10 @@ def check_ratio_and_gradients(trainer: Trainer, traj: Trajectory) -> tuple[Check
     # to float rounding, like CUDA kernels; the local engine on CPU runs the very same ops (see
     # CPU_LOGPROB_RTOL).
     own_copy = trainer.engine is not trainer.local_engine
-    tol = (CUDA_LOGPROB_RTOL if (cuda or own_copy) else CPU_LOGPROB_RTOL) * scale_h
-    if own_copy:
-        rule = f"{type(trainer.engine).__name__}: |diff| <= {CUDA_LOGPROB_RTOL:g} x max(1, |log p|)"
-    elif cuda:
-        rule = f"CUDA: |diff| <= {CUDA_LOGPROB_RTOL:g} x max(1, |log p|)"
-    else:
-        rule = f"CPU: |diff| <= {CPU_LOGPROB_RTOL:g} x max(1, |log p|) (float32 rounding only)"
+    rtol = CUDA_LOGPROB_RTOL if (cuda or own_copy) else CPU_LOGPROB_RTOL
+    tol = rtol * scale_h
+    who = type(trainer.engine).__name__ if own_copy else ("CUDA" if cuda else "CPU")
+    rule = f"{who}: |diff| <= {rtol:g} x max(1, |log p|)"
     ratio = CheckResult(
         "on_policy_ratio",
         diff_h <= tol,
