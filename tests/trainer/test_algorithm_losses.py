@@ -139,6 +139,55 @@ def test_old_decay_schedules_match_the_reference_types():
     assert type2.old_decay(10_000) == 0.999
 
 
+def _level_plan(name: str, group_ids: list[int], group_noise: bool, n: int = 4):
+    from types import SimpleNamespace
+
+    from boogu_trainer.forward_process import LevelPlan
+
+    short = "nft" if name == "diffusion_nft" else "awm"
+    cfg = load_config(
+        None,
+        [
+            f"algorithm.name={name}",
+            f"algorithm.group_size={n}",
+            f"algorithm.{short}.timesteps=2",
+            f"algorithm.{short}.group_noise={str(group_noise).lower()}",
+            "sampler.window_size=0",
+        ],
+    )
+    b = n * len(group_ids)
+    traj = SimpleNamespace(
+        sigmas=torch.linspace(1.0, 0.0, cfg.sampler.num_steps + 1),
+        group_id=torch.tensor(group_ids).repeat_interleave(n),
+        final_latents=torch.zeros(b, 4, 4, 4),
+    )
+    learner = SimpleNamespace(config=cfg, device=torch.device("cpu"))
+    return LevelPlan(learner, SimpleNamespace(trajectory=traj), step=7)
+
+
+@pytest.mark.parametrize("name", ["diffusion_nft", "awm"])
+def test_group_noise_gives_a_group_one_set_of_levels_and_noise(name):
+    """Common random numbers: with group_noise, every sample of a group is re-noised at the same
+    levels with the same noise, another group gets others, and a group's draws do not depend on
+    which other groups a rank holds; without it, every sample draws its own."""
+    shared = _level_plan(name, [3, 5], group_noise=True)
+    for j in range(2):
+        noise = shared.noise(list(range(8)), j)
+        for rows in (range(0, 4), range(4, 8)):
+            assert all(torch.equal(noise[r], noise[rows[0]]) for r in rows)
+            assert all(torch.equal(shared.sigmas[r], shared.sigmas[rows[0]]) for r in rows)
+        assert not torch.equal(noise[0], noise[4])
+    assert not torch.equal(shared.sigmas[0], shared.sigmas[4])
+    alone = _level_plan(name, [5], group_noise=True)  # group 5 on a rank of its own
+    assert torch.equal(alone.sigmas, shared.sigmas[4:])
+    assert torch.equal(alone.noise([0], 1), shared.noise([4], 1))
+
+    own = _level_plan(name, [3, 5], group_noise=False)
+    noise = own.noise([0, 1, 2, 3], 0)
+    assert all(not torch.equal(noise[0], noise[r]) for r in (1, 2, 3))
+    assert not torch.equal(own.sigmas[0], own.sigmas[1])
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

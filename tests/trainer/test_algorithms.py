@@ -106,6 +106,30 @@ def test_forward_equivalents_per_phase_and_cumulative(tiny_checkpoint, tmp_path)
     assert second["cum/tflops"] > first["cum/tflops"] > 0 and second["cum/time_s"] > first["cum/time_s"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("clip", "old_per_image"), [(None, 0.0), (0.1, 0.5)])
+def test_awm_computes_old_log_probs_only_for_its_clip(clip, old_per_image, tiny_checkpoint, tmp_path):
+    """Plain AWM's ratio is 1 at every optimizer step, so its second mini-batch needs no old-policy
+    forward; with a clip that mini-batch's old log-probs cost one forward per sample (half the batch)."""
+    cfg = make(
+        tiny_checkpoint,
+        tmp_path,
+        "algorithm.name=awm",
+        "sampler.window_size=0",
+        "sampler.guidance_scale=1.0",
+        "algorithm.mini_batches=2",
+        "algorithm.awm.timesteps=1",
+        f"algorithm.awm.clip_range={'null' if clip is None else clip}",
+        "total_steps=1",
+    )
+    (record,) = Trainer(cfg).train()
+    assert record["optimizer_steps"] == 2
+    assert record["fe/old_per_image"] == old_per_image
+    assert record["fe/total_per_image"] == cfg.sampler.num_steps + 3 + old_per_image
+    if clip is None:  # the ratio is exactly 1 on both mini-batches
+        assert record["ratio_mean"] == 1.0 and record["clipfrac"] == 0.0
+
+
 def paired_gain(before, after) -> tuple[float, float]:
     """Mean and standard error of the per-prompt reward change on the same ODE noise."""
     diffs = [b["reward"] - a["reward"] for a, b in zip(before.prompts, after.prompts, strict=True)]
@@ -130,6 +154,13 @@ def _sign_run(tiny_checkpoint, run_dir, sign, settings):
 SIGN_SETTINGS = {
     "flow_grpo": ["total_steps=3"],  # the demo's settings
     "diffusion_nft": ["algorithm.name=diffusion_nft", *FORWARD, "algorithm.nft.timesteps=2", "total_steps=3"],
+    "diffusion_nft_group_noise": [
+        "algorithm.name=diffusion_nft",
+        *FORWARD,
+        "algorithm.nft.timesteps=2",
+        "algorithm.nft.group_noise=true",  # the benchmark's recommended setting
+        "total_steps=3",
+    ],
     "awm": ["algorithm.name=awm", *FORWARD, "algorithm.awm.timesteps=2", "total_steps=3"],
     "grpo_guard": ["algorithm.loss=grpo_guard", "algorithm.clip_range=1e-2", "total_steps=3"],
 }

@@ -312,6 +312,10 @@ class NftConfig:
     """uniform time sampling: the noise levels sigma (1 = noise, 0 = data) to draw from."""
     adaptive_weight: bool = True
     """Divide each sample's x0-space error by its detached mean absolute error (the reference's adaptive weighting)."""
+    group_noise: bool = False
+    """Re-noise every sample of a group at the same levels with the same noise (common random numbers: the advantage-weighted part of the loss sums to zero over a group, so its noise-only part cancels); false: each sample draws its own (the reference)."""
+    guided: bool = False
+    """Train the CFG-guided velocity at the rollout's guidance scale (the positive and negative rows, as flow_grpo trains), twice the training forwards; needs sampler.guidance_scale > 1. false: the conditional velocity (the reference, CFG-free)."""
     old_decay_start: int = 0
     """Optimizer steps with old = current policy before the old policy starts lagging (75 in the reference's OCR recipe)."""
     old_decay_rate: float = 0.001
@@ -345,7 +349,11 @@ class AwmConfig:
     sigma_range: tuple[float, float] = (0.0, 1.0)
     """uniform time sampling: the noise levels sigma (1 = noise, 0 = data) to draw from."""
     clip_range: float | None = None
-    """PPO clip on exp(log p - log p_old), log p = -mean((v - target)^2); null: no clip (plain advantage-weighted matching)."""
+    """PPO clip on exp(log p - log p_old), log p = -mean((v - target)^2); null: no clip, the ratio is 1 and no old-policy forward is made (plain advantage-weighted matching)."""
+    group_noise: bool = False
+    """Re-noise every sample of a group at the same levels with the same noise (common random numbers: the advantages sum to zero over a group, so the noise-only part of the weighted flow-matching gradient cancels); false: each sample draws its own."""
+    guided: bool = False
+    """Train the CFG-guided velocity at the rollout's guidance scale (the positive and negative rows, as flow_grpo trains), twice the training forwards; needs sampler.guidance_scale > 1. false: the conditional velocity (the pretraining loss's)."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "algorithm.awm.")
@@ -662,6 +670,14 @@ class TrainerConfig:
                 a.nft.timesteps,
                 f"<= sampler.num_steps ({levels})",
             )
+        if a.name in FORWARD_PROCESS_ALGORITHMS:
+            short = "nft" if a.name == "diffusion_nft" else "awm"
+            if getattr(a, short).guided and self.sampler.guidance_scale <= 1.0:
+                raise ConfigError(
+                    f"algorithm.{short}.guided=true trains the CFG-guided velocity, but "
+                    f"sampler.guidance_scale={self.sampler.guidance_scale} rolls out without CFG; "
+                    f"set sampler.guidance_scale > 1 or algorithm.{short}.guided=false"
+                )
         if a.name == "awm" and a.awm.time_sampling == "schedule":
             levels = self.sampler.num_steps
             _check(

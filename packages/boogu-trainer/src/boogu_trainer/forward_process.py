@@ -4,17 +4,23 @@ They ignore the rollout's transitions: each sample's clean latent ``x0`` (the ro
 output) is re-noised at ``T`` sampled noise levels, ``x_sigma = (1 - sigma) x0 + sigma eps``, and the
 loss compares the policy's Boogu velocity there with the old policy's (DiffusionNFT) or with the
 flow-matching target ``x0 - eps`` (AWM), weighted by the sample's advantage. So the rollout may use
-any sampler (an ODE included) and training needs no CFG.
+any sampler (an ODE included) and training needs no CFG (``guided`` trains the CFG-guided velocity
+instead, at twice the training forwards).
 
 Determinism: sample ``i`` (global index, group-major) draws its levels from the stream
 ``(seed, "levels", step, i)`` and its noise at level ``j`` from ``(seed, "noise", step, i, j)``,
-so a sample's training inputs do not depend on micro-batches, mini-batches or ranks.
+so a sample's training inputs do not depend on micro-batches, mini-batches or ranks. With
+``group_noise`` every sample of global group ``g`` takes the streams ``(seed, "group levels",
+step, g)`` and ``(seed, "group noise", step, g, j)`` instead: common random numbers. The
+advantages sum to zero over a group, so in the advantage-weighted gradient the part that depends
+on the noise alone cancels instead of adding variance.
 
 What each optimizer step needs from the old policy (NFT's ``v_old``, AWM's ``log p_old``) is the
 policy's own detached value when the weights are still those that rolled out (the first optimizer
 step of the update, with NFT's old policy equal to the current one); otherwise it is computed
 without gradients before the first optimizer step (one forward per sample and level, counted in
-the ``old`` phase).
+the ``old`` phase). AWM without a clip needs none: its ratio is fixed at 1, so its loss is the
+advantage-weighted flow-matching loss at every optimizer step.
 """
 
 from __future__ import annotations
@@ -54,9 +60,14 @@ class LevelPlan:
         self.num_levels = num
         group_ids = traj.group_id.cpu()[::n].tolist()  # global group of each local group
         self.global_index = [g * n + j for g in group_ids for j in range(n)]
+        # The random stream of each local sample: its own, or its group's (common random numbers).
+        self.stream: list[tuple[str, int]] = [
+            ("group", i // n) if opts.group_noise else ("sample", i) for i in self.global_index
+        ]
         rows = []
-        for i in self.global_index:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, "levels", step, i))
+        for kind, index in self.stream:
+            key = "group levels" if kind == "group" else "levels"
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, key, step, index))
             rows.append(sample_sigmas(1, num, gen, schedule=schedule, sigma_range=tuple(opts.sigma_range))[0])
         self.sigmas_host = torch.stack(rows) if rows else torch.zeros(0, num)
         self.sigmas = self.sigmas_host.to(self.device, non_blocking=True)  # (B, T) float32
@@ -66,8 +77,10 @@ class LevelPlan:
         """(b, C, h, w) float32 noise of level ``j`` for the local ``rows``."""
         out = []
         for r in rows:
+            kind, index = self.stream[r]
+            key = "group noise" if kind == "group" else "noise"
             gen = torch.Generator(device=self.device).manual_seed(
-                derive_seed(self.seed, "noise", self.step, self.global_index[r], j)
+                derive_seed(self.seed, key, self.step, index, j)
             )
             out.append(torch.randn(self.shape, generator=gen, device=self.device, dtype=torch.float32))
         return torch.stack(out)
@@ -82,14 +95,20 @@ class ForwardProcessUpdate:
         self.config = learner.config
         self.algorithm = self.config.algorithm
         self.nft = self.algorithm.name == "diffusion_nft"
+        self.guided = (self.algorithm.nft if self.nft else self.algorithm.awm).guided
         self.plan = LevelPlan(learner, batch, step)
         self.old: dict[tuple[int, int], torch.Tensor] = {}
         """(row, level) -> NFT's old velocity (C, h, w) or AWM's old log-prob (); filled by `precompute_old`."""
 
     # ---- forwards -------------------------------------------------------------------------------
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """The policy's conditional Boogu velocity (no CFG: these losses train the conditional model)."""
-        return boogu_velocity(self.learner.transformer, x, sigma, cond, 1.0, self.learner.adapter.freqs_cis)
+        """The policy's Boogu velocity: the conditional one (no CFG, the references'), or with
+        ``guided`` the CFG-guided one at the rollout's guidance scale and CFG mode."""
+        traj = self.batch.trajectory
+        scale, mode = (traj.guidance_scale, traj.cfg_mode) if self.guided else (1.0, "batched")
+        return boogu_velocity(
+            self.learner.transformer, x, sigma, cond, scale, self.learner.adapter.freqs_cis, cfg_mode=mode
+        )
 
     def inputs(self, rows: list[int], j: int) -> tuple[torch.Tensor, ...]:
         """x0, noise, sigma, x_sigma, target and the conditioning of ``rows`` at level ``j``."""
@@ -138,11 +157,13 @@ class ForwardProcessUpdate:
         # A = 0 still pulls v+ and v- symmetrically) and only on one process (FSDP: same forwards).
         skip_zero = not learner.dist.enabled and a.kl_coef == 0 and not self.nft
         on_policy_first = not self.nft or learner.old_is_current
+        # Plain AWM (no clip): the ratio is 1 at every optimizer step, so no old values at all.
+        ratio_free = not self.nft and a.awm.clip_range is None
         needs_old = [
             r
             for epoch in range(a.inner_epochs)
             for mb, rows in enumerate(schedule)
-            if not (epoch == 0 and mb == 0 and on_policy_first)
+            if not (ratio_free or (epoch == 0 and mb == 0 and on_policy_first))
             for r in rows
         ]
         needs_old = sorted(set(needs_old))
@@ -156,9 +177,9 @@ class ForwardProcessUpdate:
                 if not rows:
                     continue
                 learner.optimizer.zero_grad(set_to_none=True)
-                first = epoch == 0 and mb == 0 and on_policy_first
+                current = ratio_free or (epoch == 0 and mb == 0 and on_policy_first)
                 bad_loss = self.accumulate(
-                    advantages, learner.micro_batches(rows), len(all_rows), acc, first=first
+                    advantages, learner.micro_batches(rows), len(all_rows), acc, current=current
                 )
                 status = learner.optimizer_step(bad_loss, acc)
                 if status == "skipped":
@@ -171,8 +192,11 @@ class ForwardProcessUpdate:
                 break
         return learner.finish(acc, [], finite=all_finite, weights_finite=weights_finite)
 
-    def accumulate(self, advantages, chunks, total_rows, acc, *, first: bool) -> torch.Tensor:
-        """Forward + backward of every micro-batch and level of one mini-batch; a device flag: some loss not finite."""
+    def accumulate(self, advantages, chunks, total_rows, acc, *, current: bool) -> torch.Tensor:
+        """Forward + backward of every micro-batch and level of one mini-batch; a device flag: some loss not finite.
+
+        ``current``: the old values are the policy's own, detached (the weights that rolled out, or
+        plain AWM); otherwise they come from `precompute_old`."""
         learner, a = self.learner, self.algorithm
         T = self.plan.num_levels
         bad = torch.zeros((), dtype=torch.bool, device=learner.device)
@@ -187,7 +211,7 @@ class ForwardProcessUpdate:
                 x0, _, sigma, x_sigma, target, cond = self.inputs(chunk, j)
                 v = self.velocity(x_sigma, sigma, cond)
                 if self.nft:
-                    old = v.detach() if first else torch.stack([self.old[(r, j)] for r in chunk])
+                    old = v.detach() if current else torch.stack([self.old[(r, j)] for r in chunk])
                     pl = nft_loss(
                         v,
                         old,
@@ -201,7 +225,7 @@ class ForwardProcessUpdate:
                     )
                 else:
                     log_prob = awm_log_prob(v, target)
-                    old = log_prob.detach() if first else torch.stack([self.old[(r, j)] for r in chunk])
+                    old = log_prob.detach() if current else torch.stack([self.old[(r, j)] for r in chunk])
                     pl = awm_loss(log_prob, old, adv, a.awm.clip_range)
                 loss = pl.loss
                 if a.kl_coef > 0:

@@ -484,7 +484,9 @@ def plan_memory(
     cfg_rows = 2 if s.guidance_scale > 1.0 and config.rollout.cfg_mode == "batched" else 1
     a = config.algorithm
     forward_process = a.name in FORWARD_PROCESS_ALGORITHMS
-    train_rows = 1 if forward_process else cfg_rows  # NFT and AWM train the conditional velocity only
+    # NFT and AWM train the conditional velocity unless `guided` (then both CFG rows, as flow_grpo)
+    guided = forward_process and (a.nft if a.name == "diffusion_nft" else a.awm).guided
+    train_rows = 1 if forward_process and not guided else cfg_rows
     per_rank = max(config.data.prompts_per_step * a.group_size // world_size, 1)
     if forward_process:
         opts = a.nft if a.name == "diffusion_nft" else a.awm
