@@ -20,7 +20,8 @@ reward against cumulative FE and against wall time (``--out DIR``/algorithms.png
     uv run python benchmarks/algorithms.py [--seeds 3] [--first-seed 0] [--budget-fe 12288] [--target 0.8]
         [--algorithms flow_grpo,awm] [--set awm:optim.lr=1e-2] [--out DIR] [--json PATH] [--quick]
 
-The default run (5 learners x 3 seeds) took 19 minutes on 2 CPU cores.
+The default run is 6 learners x 3 seeds. With 5 learners it took 19 minutes on 2 CPU cores;
+diffusion_nft_cfg adds about 2 (35 s per seed on an idle machine).
 ``--quick`` (CI) runs every algorithm for 3 steps of 1 prompt x 8 samples with one seed (about
 20 s) and checks the plumbing only. The rewards are those of each algorithm's own rollouts (its
 sampler and CFG scale). Sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (see benchmarks/README.md).

@@ -62,7 +62,14 @@ def test_algorithms_quick(tmp_path, monkeypatch):
     figures = json.loads(out.read_text())
     assert isinstance(figures["target"], float) and math.isfinite(figures["target"])
     algorithms = figures["algorithms"]
-    assert set(algorithms) == {"flow_grpo", "flow_grpo_e2", "grpo_guard", "diffusion_nft", "awm"}
+    assert set(algorithms) == {
+        "flow_grpo",
+        "flow_grpo_e2",
+        "grpo_guard",
+        "diffusion_nft",
+        "diffusion_nft_cfg",
+        "awm",
+    }
     for entry in algorithms.values():
         for key in ("fe_to_target", "wall_to_target_s", "final_reward"):
             values = entry[key]

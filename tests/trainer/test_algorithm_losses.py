@@ -196,6 +196,14 @@ def test_group_noise_gives_a_group_one_set_of_levels_and_noise(name):
         (["algorithm.name=diffusion_nft", "algorithm.nft.timesteps=11"], "algorithm.nft.timesteps=11"),
         (["algorithm.nft.beta=0"], "algorithm.nft.beta=0"),
         (["algorithm.awm.sigma_range=[0.5,0.2]"], "algorithm.awm.sigma_range"),
+        (
+            ["algorithm.name=diffusion_nft", "sampler.guidance_scale=1.0", "algorithm.nft.guided=true"],
+            "algorithm.nft.guided=true trains the CFG-guided velocity",
+        ),
+        (
+            ["algorithm.name=awm", "sampler.guidance_scale=1.0", "algorithm.awm.guided=true"],
+            "awm.guided=false",
+        ),
         (["algorithm.name=ppo"], "algorithm.name"),
     ],
 )

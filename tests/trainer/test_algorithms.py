@@ -130,6 +130,37 @@ def test_awm_computes_old_log_probs_only_for_its_clip(clip, old_per_image, tiny_
         assert record["ratio_mean"] == 1.0 and record["clipfrac"] == 0.0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["diffusion_nft", "awm"])
+def test_guided_training_runs_both_cfg_rows(name, tiny_checkpoint, tmp_path):
+    """With `guided` the forward-process learners train the CFG-guided velocity: both rows of every
+    training forward and backward (twice the unguided training FE); the rollout's CFG is the same."""
+    short = "nft" if name == "diffusion_nft" else "awm"
+    settings = [
+        f"algorithm.name={name}",
+        "sampler.window_size=0",
+        "sampler.guidance_scale=2.0",
+        "algorithm.mini_batches=1",
+        f"algorithm.{short}.timesteps=1",
+        "total_steps=1",
+    ]
+    records = {}
+    for guided in (False, True):
+        cfg = make(
+            tiny_checkpoint,
+            tmp_path / str(guided),
+            *settings,
+            f"algorithm.{short}.guided={str(guided).lower()}",
+        )
+        (records[guided],) = Trainer(cfg).train()
+    plain, guided = records[False], records[True]
+    assert plain["fe/rollout_per_image"] == guided["fe/rollout_per_image"] == 2 * cfg.sampler.num_steps
+    assert plain["fe/train_per_image"] == 3 and guided["fe/train_per_image"] == 6
+    # The same rollouts (seed, CFG), a different trained velocity: its error to the target differs.
+    error = "nft/x0_error" if name == "diffusion_nft" else "awm/fm_loss"
+    assert plain["reward/mean"] == guided["reward/mean"] and plain[error] != guided[error]
+
+
 def paired_gain(before, after) -> tuple[float, float]:
     """Mean and standard error of the per-prompt reward change on the same ODE noise."""
     diffs = [b["reward"] - a["reward"] for a, b in zip(before.prompts, after.prompts, strict=True)]
@@ -159,6 +190,16 @@ SIGN_SETTINGS = {
         *FORWARD,
         "algorithm.nft.timesteps=2",
         "algorithm.nft.group_noise=true",  # the benchmark's recommended setting
+        "total_steps=3",
+    ],
+    "diffusion_nft_cfg": [  # the benchmark's: CFG 2 ODE rollouts, the guided velocity trained
+        "algorithm.name=diffusion_nft",
+        "sampler.window_size=0",
+        "sampler.guidance_scale=2.0",
+        "algorithm.mini_batches=1",
+        "algorithm.nft.timesteps=2",
+        "algorithm.nft.group_noise=true",
+        "algorithm.nft.guided=true",
         "total_steps=3",
     ],
     "awm": ["algorithm.name=awm", *FORWARD, "algorithm.awm.timesteps=2", "total_steps=3"],
