@@ -185,14 +185,8 @@ def _sign_run(tiny_checkpoint, run_dir, sign, settings):
 SIGN_SETTINGS = {
     "flow_grpo": ["total_steps=3"],  # the demo's settings
     "diffusion_nft": ["algorithm.name=diffusion_nft", *FORWARD, "algorithm.nft.timesteps=2", "total_steps=3"],
-    "diffusion_nft_group_noise": [
-        "algorithm.name=diffusion_nft",
-        *FORWARD,
-        "algorithm.nft.timesteps=2",
-        "algorithm.nft.group_noise=true",  # the benchmark's recommended setting
-        "total_steps=3",
-    ],
-    "diffusion_nft_cfg": [  # the benchmark's: CFG 2 ODE rollouts, the guided velocity trained
+    # The benchmark's diffusion_nft_cfg: CFG 2 ODE rollouts, one noise per group, the guided velocity.
+    "diffusion_nft_cfg": [
         "algorithm.name=diffusion_nft",
         "sampler.window_size=0",
         "sampler.guidance_scale=2.0",
