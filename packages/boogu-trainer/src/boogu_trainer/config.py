@@ -407,6 +407,16 @@ class AlgorithmConfig:
     advantage_sign: float = 1.0
     """+1 for training; -1 flips the objective (a diagnostic: the reward must then go down)."""
 
+    @property
+    def forward_key(self) -> str | None:
+        """'nft' or 'awm': the options key of a forward-process learner; None for flow_grpo."""
+        return {"diffusion_nft": "nft", "awm": "awm"}.get(self.name)
+
+    @property
+    def forward_options(self) -> NftConfig | AwmConfig | None:
+        """diffusion_nft's or awm's options (``algorithm.<forward_key>``); None for flow_grpo."""
+        return None if self.forward_key is None else getattr(self, self.forward_key)
+
     def __post_init__(self) -> None:
         _check_finite(self, "algorithm.")
         _check(
@@ -661,30 +671,16 @@ class TrainerConfig:
                 f"algorithm.loss={a.loss!r}: GRPO-Guard is a flow_grpo objective; "
                 f"algorithm.name={a.name!r} has its own loss (leave algorithm.loss=ppo_clip)"
             )
-        if a.name == "diffusion_nft" and a.nft.time_sampling == "schedule":
+        opts, key = a.forward_options, f"algorithm.{a.forward_key}"
+        if opts is not None and opts.time_sampling == "schedule":
             levels = self.sampler.num_steps
-            wanted = a.nft.timesteps if a.nft.timesteps is not None else levels - 1
-            _check(
-                wanted <= levels,
-                "algorithm.nft.timesteps",
-                a.nft.timesteps,
-                f"<= sampler.num_steps ({levels})",
-            )
-        if a.name in FORWARD_PROCESS_ALGORITHMS:
-            short = "nft" if a.name == "diffusion_nft" else "awm"
-            if getattr(a, short).guided and self.sampler.guidance_scale <= 1.0:
-                raise ConfigError(
-                    f"algorithm.{short}.guided=true trains the CFG-guided velocity, but "
-                    f"sampler.guidance_scale={self.sampler.guidance_scale} rolls out without CFG; "
-                    f"set sampler.guidance_scale > 1 or algorithm.{short}.guided=false"
-                )
-        if a.name == "awm" and a.awm.time_sampling == "schedule":
-            levels = self.sampler.num_steps
-            _check(
-                a.awm.timesteps <= levels,
-                "algorithm.awm.timesteps",
-                a.awm.timesteps,
-                f"<= sampler.num_steps ({levels})",
+            wanted = opts.timesteps if opts.timesteps is not None else levels - 1  # NFT's null: all but one
+            _check(wanted <= levels, f"{key}.timesteps", opts.timesteps, f"<= sampler.num_steps ({levels})")
+        if opts is not None and opts.guided and self.sampler.guidance_scale <= 1.0:
+            raise ConfigError(
+                f"{key}.guided=true trains the CFG-guided velocity, but "
+                f"sampler.guidance_scale={self.sampler.guidance_scale} rolls out without CFG; "
+                f"set sampler.guidance_scale > 1 or {key}.guided=false"
             )
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
         keys = _config_keys()

@@ -49,7 +49,7 @@ class LevelPlan:
     def __init__(self, learner: Learner, batch: ScoredBatch, step: int):
         cfg = learner.config
         a = cfg.algorithm
-        opts = a.nft if a.name == "diffusion_nft" else a.awm
+        opts = a.forward_options
         traj = batch.trajectory
         n = a.group_size
         self.device = learner.device
@@ -60,14 +60,12 @@ class LevelPlan:
         self.num_levels = num
         group_ids = traj.group_id.cpu()[::n].tolist()  # global group of each local group
         self.global_index = [g * n + j for g in group_ids for j in range(n)]
-        # The random stream of each local sample: its own, or its group's (common random numbers).
-        self.stream: list[tuple[str, int]] = [
-            ("group", i // n) if opts.group_noise else ("sample", i) for i in self.global_index
-        ]
+        # Each local sample's random stream: its own, or its group's (common random numbers).
+        self.prefix = "group " if opts.group_noise else ""
+        self.stream = [i // n if opts.group_noise else i for i in self.global_index]
         rows = []
-        for kind, index in self.stream:
-            key = "group levels" if kind == "group" else "levels"
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, key, step, index))
+        for index in self.stream:
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, self.prefix + "levels", step, index))
             rows.append(sample_sigmas(1, num, gen, schedule=schedule, sigma_range=tuple(opts.sigma_range))[0])
         self.sigmas_host = torch.stack(rows) if rows else torch.zeros(0, num)
         self.sigmas = self.sigmas_host.to(self.device, non_blocking=True)  # (B, T) float32
@@ -75,15 +73,15 @@ class LevelPlan:
 
     def noise(self, rows: list[int], j: int) -> torch.Tensor:
         """(b, C, h, w) float32 noise of level ``j`` for the local ``rows``."""
-        out = []
+        drawn: dict[int, torch.Tensor] = {}  # one draw per stream (a group's rows share theirs)
         for r in rows:
-            kind, index = self.stream[r]
-            key = "group noise" if kind == "group" else "noise"
-            gen = torch.Generator(device=self.device).manual_seed(
-                derive_seed(self.seed, key, self.step, index, j)
-            )
-            out.append(torch.randn(self.shape, generator=gen, device=self.device, dtype=torch.float32))
-        return torch.stack(out)
+            index = self.stream[r]
+            if index not in drawn:
+                gen = torch.Generator(device=self.device).manual_seed(
+                    derive_seed(self.seed, self.prefix + "noise", self.step, index, j)
+                )
+                drawn[index] = torch.randn(self.shape, generator=gen, device=self.device, dtype=torch.float32)
+        return torch.stack([drawn[self.stream[r]] for r in rows])
 
 
 class ForwardProcessUpdate:
@@ -95,7 +93,7 @@ class ForwardProcessUpdate:
         self.config = learner.config
         self.algorithm = self.config.algorithm
         self.nft = self.algorithm.name == "diffusion_nft"
-        self.guided = (self.algorithm.nft if self.nft else self.algorithm.awm).guided
+        self.guided = self.algorithm.forward_options.guided
         self.plan = LevelPlan(learner, batch, step)
         self.old: dict[tuple[int, int], torch.Tensor] = {}
         """(row, level) -> NFT's old velocity (C, h, w) or AWM's old log-prob (); filled by `precompute_old`."""

@@ -437,7 +437,7 @@ def plan_memory(
     (x2 with CFG).
     """
     from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
-    from boogu_trainer.config import FORWARD_PROCESS_ALGORITHMS, resolved_model_dtype
+    from boogu_trainer.config import resolved_model_dtype
 
     m = config.model
     if m.path:
@@ -483,13 +483,11 @@ def plan_memory(
     grid = (s.height // 8 // p, s.width // 8 // p)
     cfg_rows = 2 if s.guidance_scale > 1.0 and config.rollout.cfg_mode == "batched" else 1
     a = config.algorithm
-    forward_process = a.name in FORWARD_PROCESS_ALGORITHMS
+    opts = a.forward_options
     # NFT and AWM train the conditional velocity unless `guided` (then both CFG rows, as flow_grpo)
-    guided = forward_process and (a.nft if a.name == "diffusion_nft" else a.awm).guided
-    train_rows = 1 if forward_process and not guided else cfg_rows
+    train_rows = 1 if opts is not None and not opts.guided else cfg_rows
     per_rank = max(config.data.prompts_per_step * a.group_size // world_size, 1)
-    if forward_process:
-        opts = a.nft if a.name == "diffusion_nft" else a.awm
+    if opts is not None:
         levels = opts.timesteps if opts.timesteps is not None else s.num_steps - 1
         latent = int(tcfg.get("in_channels", 16)) * (s.height // 8) * (s.width // 8) * 4
         if a.name == "diffusion_nft":
