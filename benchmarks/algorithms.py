@@ -162,12 +162,45 @@ def run_config(name: str, seed: int, run_dir: str, extra: list[str]):
     return load_config(None, overrides, base=demo_config())
 
 
-def run_one(name: str, seed: int, run_dir: str, budget_fe: float, max_steps: int, extra: list[str]):
-    """One run to the FE budget (or ``max_steps``): its per-step curve."""
+def smoothed(rewards: list[float]) -> list[float | None]:
+    """The trailing mean of the last `SMOOTH` rewards at each step (None before `SMOOTH` steps)."""
+    return [
+        statistics.fmean(rewards[i + 1 - SMOOTH : i + 1]) if i + 1 >= SMOOTH else None
+        for i in range(len(rewards))
+    ]
+
+
+def should_stop(
+    rewards: list[float], cum_fe: float, budget_fe: float, max_steps: int, stop_at: float | None
+) -> bool:
+    """Whether a run stops after the step that gave ``rewards[-1]``: the FE budget or ``max_steps``
+    is reached, or (``stop_at`` not None) the smoothed reward has just reached ``stop_at``."""
+    return cum_fe >= budget_fe or len(rewards) >= max_steps or reached(rewards, stop_at)
+
+
+def reached(rewards: list[float], stop_at: float | None) -> bool:
+    """Whether the smoothed reward of the last step reaches ``stop_at`` (never with None)."""
+    last = smoothed(rewards[-SMOOTH:])[-1] if rewards else None
+    return stop_at is not None and last is not None and last >= stop_at
+
+
+def run_one(
+    name: str,
+    seed: int,
+    run_dir: str,
+    budget_fe: float,
+    max_steps: int,
+    extra: list[str],
+    stop_at: float | None = None,
+):
+    """One run to the FE budget (or ``max_steps``, or with ``stop_at`` the first step whose
+    smoothed reward reaches it): its per-step curve."""
     trainer = Trainer(run_config(name, seed, run_dir, extra))
+    seen: list[float] = []
 
     def stop(step: int, record: dict[str, Any]) -> None:
-        if record["cum/fe"] >= budget_fe or step >= max_steps:
+        seen.append(float(record["reward/mean"]))
+        if should_stop(seen, record["cum/fe"], budget_fe, max_steps, stop_at):
             raise _BudgetReached
 
     t0 = time.perf_counter()
@@ -178,15 +211,14 @@ def run_one(name: str, seed: int, run_dir: str, budget_fe: float, max_steps: int
     rewards = [float(h["reward/mean"]) for h in history]
     return {
         "reward": rewards,
-        "smoothed": [
-            statistics.fmean(rewards[i + 1 - SMOOTH : i + 1]) if i + 1 >= SMOOTH else None
-            for i in range(len(rewards))
-        ],
+        "smoothed": smoothed(rewards),
         "cum_fe": [float(h["cum/fe"]) for h in history],
         "cum_time_s": [float(h["cum/time_s"]) for h in history],
         "fe_per_image": statistics.fmean(float(h["fe/total_per_image"]) for h in history),
         "images_per_step": float(history[0]["cum/images"]),
         "run_wall_s": wall,
+        # Stopped by --stop-at-target: the curve ends at the target, so it has no final reward.
+        "stopped_at_target": reached(rewards, stop_at),
     }
 
 
@@ -198,9 +230,16 @@ def first_crossing(curve: dict[str, Any], target: float) -> int | None:
     return None
 
 
-def summarise(curves: list[dict[str, Any]], target: float) -> dict[str, Any]:
+def summarise(curves: list[dict[str, Any]], target: float, stop_at_target: bool = False) -> dict[str, Any]:
+    # Runs stopped at the target say nothing about the higher thresholds.
+    thresholds = [r for r in THRESHOLDS if not stop_at_target or r <= target]
     hits = [first_crossing(c, target) for c in curves]
-    final = [next((v for v in reversed(c["smoothed"]) if v is not None), c["reward"][-1]) for c in curves]
+    final = [
+        None
+        if c.get("stopped_at_target")
+        else next((v for v in reversed(c["smoothed"]) if v is not None), c["reward"][-1])
+        for c in curves
+    ]
     return {
         "fe_to_target": [None if i is None else c["cum_fe"][i] for c, i in zip(curves, hits)],
         "wall_to_target_s": [None if i is None else c["cum_time_s"][i] for c, i in zip(curves, hits)],
@@ -212,7 +251,7 @@ def summarise(curves: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "run_wall_s": [c["run_wall_s"] for c in curves],
         "fe_to_thresholds": {
             f"{r:g}": [None if (i := first_crossing(c, r)) is None else c["cum_fe"][i] for c in curves]
-            for r in THRESHOLDS
+            for r in thresholds
         },
     }
 
@@ -279,7 +318,8 @@ def print_thresholds(summary: dict[str, dict[str, Any]], seeds: int) -> None:
             )
             cells.append(f"{statistics.fmean(got):.0f}{ratio} ({len(got)}/{seeds})")
         rows.append((name, *cells))
-    print(table(rows, ("mean FE to reward", *(f">= {r:g}" for r in THRESHOLDS))))
+    keys = next(iter(summary.values()))["fe_to_thresholds"] if summary else {}
+    print(table(rows, ("mean FE to reward", *(f">= {r}" for r in keys))))
 
 
 def plot(curves: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
@@ -335,6 +375,12 @@ def main() -> None:
     )
     parser.add_argument("--out", default="/tmp/algbench", help="folder for algorithms.png")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="end each run at the step where it reaches the target (FE to target only: no final reward, "
+        "no higher thresholds; the runs are deterministic, so the figures to the target are unchanged)",
+    )
     parser.add_argument("--quick", action="store_true", help="CI smoke run: 1 seed, 3 steps per algorithm")
     args = parser.parse_args()
     if args.quick:  # the plumbing only: 1 seed, 1 prompt x 8 samples, 3 steps
@@ -362,7 +408,15 @@ def main() -> None:
         for name in names:
             curves[name] = []
             for seed in range(args.first_seed, args.first_seed + args.seeds):
-                c = run_one(name, seed, tmp, args.budget_fe, args.max_steps, extra.get(name, []))
+                c = run_one(
+                    name,
+                    seed,
+                    tmp,
+                    args.budget_fe,
+                    args.max_steps,
+                    extra.get(name, []),
+                    args.target if args.stop_at_target else None,
+                )
                 curves[name].append(c)
                 hit = first_crossing(c, args.target)
                 print(
@@ -373,13 +427,14 @@ def main() -> None:
                     flush=True,
                 )
     total = time.perf_counter() - t0
-    summary = {name: summarise(runs, args.target) for name, runs in curves.items()}
+    summary = {name: summarise(runs, args.target, args.stop_at_target) for name, runs in curves.items()}
 
     print()
     print(
         f"target {args.target} (trailing mean of {SMOOTH} steps' reward/mean), budget {args.budget_fe:.0f} FE "
         f"per run, {args.seeds} seed(s); FE = transformer forward-equivalents (forward 1, backward 2), "
         "wall = the trainer's step time"
+        + ("; each run stopped at the target (--stop-at-target)" if args.stop_at_target else "")
     )
     print_table(summary, args.seeds)
     print()
@@ -407,6 +462,7 @@ def main() -> None:
             "budget_fe": args.budget_fe,
             "seeds": args.seeds,
             "seed_list": list(range(args.first_seed, args.first_seed + args.seeds)),
+            "stop_at_target": args.stop_at_target,
             "smooth_steps": SMOOTH,
             "task": TASK,
             "settings": {n: {**ALGORITHMS[n], "extra": extra.get(n, [])} for n in names},

@@ -78,3 +78,31 @@ def test_algorithms_quick(tmp_path, monkeypatch):
         assert entry["final_reward"][0] is not None
     assert figures["seed_list"] == [0]
     assert (tmp_path / "algorithms.png").stat().st_size > 0
+
+
+def test_algorithms_stop_at_target_ends_a_run_at_its_first_crossing(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    alg = runpy.run_path(str(BENCHMARKS / "algorithms.py"), run_name="algorithms")
+    stop, summarise = alg["should_stop"], alg["summarise"]
+    rewards = [0.70, 0.78, 0.81, 0.82, 0.83]  # smoothed: -, -, 0.763, 0.803, 0.82
+    # without a target only the budget and the step limit stop a run
+    assert not any(stop(rewards[:n], 100.0 * n, 1e9, 100, None) for n in range(1, 6))
+    assert stop(rewards[:2], 300.0, 300.0, 100, None) and stop(rewards[:2], 1.0, 1e9, 2, None)
+    # with one: the first step whose trailing mean of 3 reaches it, not a single high reward
+    assert [stop(rewards[:n], 100.0 * n, 1e9, 100, 0.80) for n in range(1, 6)] == [False] * 3 + [True] * 2
+    assert not stop([0.9, 0.9], 200.0, 1e9, 100, 0.80)
+    curve = {
+        "reward": rewards[:4],
+        "smoothed": alg["smoothed"](rewards[:4]),
+        "cum_fe": [100.0, 200.0, 300.0, 400.0],
+        "cum_time_s": [1.0, 2.0, 3.0, 4.0],
+        "fe_per_image": 9.0,
+        "run_wall_s": 4.0,
+        "stopped_at_target": True,
+    }
+    summary = summarise([curve], 0.80, stop_at_target=True)
+    assert summary["fe_to_target"] == [400.0] and summary["steps_to_target"] == [4]
+    assert summary["final_reward"] == [None]  # the run ended at the target: no final reward
+    assert set(summary["fe_to_thresholds"]) == {"0.76", "0.78", "0.8"}  # none above the target
+    full = summarise([{**curve, "stopped_at_target": False}], 0.80)
+    assert full["final_reward"] == [pytest.approx(0.8033, abs=1e-4)] and "0.84" in full["fe_to_thresholds"]
