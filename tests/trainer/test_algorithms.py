@@ -28,6 +28,7 @@ def make(tiny_checkpoint: Path, run_dir: Path, *extra: str):
             f"logging.run_dir={run_dir}",
             "logging.progress=false",
             "logging.sample_every=0",
+            "logging.plot_every=0",
             "checkpoint.save_every=0",
             "preflight=false",
             "data.prompts_per_step=2",

@@ -28,6 +28,7 @@ def args(tiny_checkpoint, run_dir, *extra: str) -> list[str]:
         f"logging.run_dir={run_dir}",
         "logging.progress=false",
         "logging.sample_every=0",
+        "logging.plot_every=0",
         "logging.name=mine",
         *extra,
     ]

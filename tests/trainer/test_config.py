@@ -111,6 +111,7 @@ def test_bad_values_name_the_key(override, needle):
         (["eval.num_prompts=0"], "eval.num_prompts", "0"),
         (["logging.sample_every=-1"], "logging.sample_every", "-1"),
         (["logging.num_samples=0"], "logging.num_samples", "0"),
+        (["logging.plot_every=-1"], "logging.plot_every", "-1"),
         (["algorithm.clip_range=.inf"], "algorithm.clip_range", "inf"),
         (["algorithm.adv_clip=nan"], "algorithm.adv_clip", "nan"),
         (["algorithm.kl_coef=.inf"], "algorithm.kl_coef", "inf"),

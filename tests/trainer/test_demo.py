@@ -22,6 +22,7 @@ def test_demo_reward_rises(tiny_checkpoint, tmp_path):
             f"logging.run_dir={tmp_path}",
             "logging.progress=false",
             "logging.sample_every=0",
+            "logging.plot_every=0",
             "checkpoint.save_every=0",
         ],
         base=demo_config(),
@@ -31,6 +32,7 @@ def test_demo_reward_rises(tiny_checkpoint, tmp_path):
     assert len(history) == config.total_steps
     lines = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == config.total_steps
+    assert not (trainer.run_dir / "reward_curve.png").exists()  # logging.plot_every=0: never drawn
     assert all(0 < r["perf/mfu"] < 1 and r["perf/tflops_per_image"] > 0 for r in lines)
     s = summarize_rewards(history)
     assert s["window"] == 5

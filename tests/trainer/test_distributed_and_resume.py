@@ -39,6 +39,7 @@ def overrides(tiny_checkpoint: Path, run_dir: Path, *extra: str) -> list[str]:
         "reward.rewards=[{name: demo_brightness}]",
         "logging.progress=false",
         "logging.sample_every=0",
+        "logging.plot_every=0",
         "logging.name=run",
         f"logging.run_dir={run_dir}",
         "seed=3",

@@ -158,6 +158,7 @@ def _config(tiny_checkpoint, tmp_path, *overrides):
         "eval.num_prompts=2",
         "algorithm.group_size=2",
         "logging.sample_every=0",
+        "logging.plot_every=0",
         *overrides,
     )
 

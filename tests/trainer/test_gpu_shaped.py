@@ -69,6 +69,7 @@ def _config(tiny_checkpoint, run_dir, *overrides):
             "checkpoint.save_every=0",
             f"logging.run_dir={run_dir}",
             "logging.sample_every=0",
+            "logging.plot_every=0",
             "logging.progress=false",
             "seed=3",
             *overrides,

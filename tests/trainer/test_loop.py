@@ -41,6 +41,7 @@ def small_config(tiny_checkpoint, run_dir, *overrides):
             f"logging.run_dir={run_dir}",
             "logging.name=run",
             "logging.sample_every=2",
+            "logging.plot_every=2",  # drawn at step 2 and at the last step
             "logging.progress=false",
             "seed=3",
             *overrides,

@@ -182,6 +182,7 @@ def test_a_constant_reward_is_a_named_stop_before_any_output(tiny_checkpoint, tm
         "preflight=false",
         "total_steps=1",
         "logging.sample_every=0",
+        "logging.plot_every=0",
     )
     history = trainer.train()
     assert len(history) == 1 and trainer.preflight_report is None
@@ -197,6 +198,7 @@ def test_a_run_with_preflight_trains_exactly_like_one_without(tiny_checkpoint, t
                 f"preflight={flag}",
                 "total_steps=1",
                 "logging.sample_every=0",
+                "logging.plot_every=0",
             )
         )
         history = t.train()

@@ -37,6 +37,7 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
         "optim.lr=5e-2",
         "ema.enabled=true",
         "logging.sample_every=0",
+        "logging.plot_every=0",
         "eval.num_steps=3",
     )
     Trainer(config).train()

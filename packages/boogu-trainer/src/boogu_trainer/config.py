@@ -565,9 +565,12 @@ class LoggingConfig:
     """Also log to Weights & Biases (needs the wandb extra)."""
     progress: bool = True
     """Show a progress bar with the running reward."""
+    plot_every: int = 1
+    """Redraw reward_curve.png every this many steps and at the last step (0: never)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "logging.name", self.name, "a folder name")
+        _check(self.plot_every >= 0, "logging.plot_every", self.plot_every, ">= 0 (0 = never)")
         _check(self.sample_every >= 0, "logging.sample_every", self.sample_every, ">= 0")
         _check(self.num_samples >= 1, "logging.num_samples", self.num_samples, ">= 1")
 

@@ -54,7 +54,7 @@ from boogu_trainer.metrics import (
     plot_reward_curve,
     sample_grid,
 )
-from boogu_trainer.perf import FlopMeter, _unwrap, peak_tflops, step_perf
+from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf, unwrap_transformer
 from boogu_trainer.preflight import PreflightReport, lora_targets_error, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.rollout import RolloutScorer, ScoredBatch
@@ -416,7 +416,7 @@ class Trainer:
         return out
 
     def _checkpointing(self) -> bool:
-        return bool(getattr(_unwrap(self.transformer), "gradient_checkpointing", False))
+        return bool(getattr(unwrap_transformer(self.transformer), "gradient_checkpointing", False))
 
     def _perf(self, step_seconds: float, local_images: int) -> dict[str, float]:
         """This rank's model FLOPs of the step, its MFU against this device's peak, per image."""
@@ -506,9 +506,11 @@ class Trainer:
         self.metrics.log(record)
         if not self.dist.is_main:
             return
-        labels = list(self.rewards.labels)  # one line per reward, plus the weighted total if several
-        keys = ["reward", *labels] if len(labels) > 1 else ["reward"]
-        plot_reward_curve(self.metrics.history, self.run_dir / "reward_curve.png", keys)
+        plot_every = self.config.logging.plot_every
+        if plot_every and (self.step % plot_every == 0 or self.step == self.config.total_steps):
+            labels = list(self.rewards.labels)  # one line per reward, plus the weighted total if several
+            keys = ["reward", *labels] if len(labels) > 1 else ["reward"]
+            plot_reward_curve(self.metrics.history, self.run_dir / "reward_curve.png", keys)
         every = self.config.logging.sample_every
         if every and (self.step % every == 0 or self.step == 1):
             self._write_samples(result.batch)

@@ -194,7 +194,7 @@ def step_perf(
     return out
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap_transformer(module: nn.Module) -> nn.Module:
     """The transformer inside wrappers that keep it as ``.module`` (DDP) or ``.model`` (peft)."""
     for attr in ("module", "model"):
         inner = getattr(module, attr, None)
@@ -225,7 +225,7 @@ class FlopMeter:
         attention_recompute: bool = False,
     ) -> None:
         self.transformer = transformer
-        model = _unwrap(transformer)
+        model = unwrap_transformer(transformer)
         ranks = lora if lora is not None else lora_ranks_from_model(model, include_disabled=True)
         self._with_lora = FlopModel(model.config, ranks)
         self._without_lora = FlopModel(model.config, None)
@@ -241,7 +241,7 @@ class FlopMeter:
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _layout(self, module: nn.Module, args: tuple, kwargs: dict) -> TokenLayout | None:
-        layout = getattr(_unwrap(module), "last_layout", None)
+        layout = getattr(unwrap_transformer(module), "last_layout", None)
         if layout is not None:
             return layout
         return self._layout_from_inputs(module, args, kwargs)
@@ -253,7 +253,7 @@ class FlopMeter:
         latents = bound.get("hidden_states")
         if latents is None:
             return None
-        p = int(_unwrap(module).config.patch_size)
+        p = int(unwrap_transformer(module).config.patch_size)
         targets = list(latents.unbind(0)) if isinstance(latents, torch.Tensor) else list(latents)
         batch = len(targets)
         feats = bound.get("instruction_hidden_states")
@@ -288,7 +288,7 @@ class FlopMeter:
         self._forwards += 1
         self._samples += len(layout.text_lengths)
         if torch.is_grad_enabled():
-            checkpointing = bool(getattr(_unwrap(module), "gradient_checkpointing", False))
+            checkpointing = bool(getattr(unwrap_transformer(module), "gradient_checkpointing", False))
             flops = model.training(
                 layout, gradient_checkpointing=checkpointing, attention_recompute=self.attention_recompute
             ).total
