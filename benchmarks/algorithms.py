@@ -37,6 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import contextlib
 import math
+import random
 import statistics
 import tempfile
 import time
@@ -255,6 +256,24 @@ def summarise(curves: list[dict[str, Any]], target: float, stop_at_target: bool 
     }
 
 
+def ratio_interval(
+    values: list[float], base: list[float], resamples: int = 10000, level: float = 0.95
+) -> tuple[float, float]:
+    """A percentile bootstrap interval for ``mean(values) / mean(base)``: both lists (per-seed FE
+    to target) resampled with replacement, independently (the learners' seeds are not paired),
+    with a fixed generator so that the figure is reproducible. ``(nan, nan)`` for one seed."""
+    if len(values) < 2 or len(base) < 2:
+        return math.nan, math.nan
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.fmean(rng.choices(values, k=len(values)))
+        / statistics.fmean(rng.choices(base, k=len(base)))
+        for _ in range(resamples)
+    )
+    tail = (1 - level) / 2
+    return ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]
+
+
 def mean_std(values: list[float | None], fmt: str = "{:.0f}") -> str:
     got = [v for v in values if v is not None]
     if not got:
@@ -271,6 +290,9 @@ def print_table(summary: dict[str, dict[str, Any]], seeds: int) -> None:
     for name, s in summary.items():
         got = [v for v in s["fe_to_target"] if v is not None]
         ratio = f"{statistics.fmean(got) / base_mean:.2f}" if got and base_mean else "-"
+        low, high = ratio_interval(got, base) if name != "flow_grpo" else (math.nan, math.nan)
+        if math.isfinite(low):
+            ratio += f" ({low:.2f}-{high:.2f})"
         rows.append(
             (
                 name,
@@ -293,7 +315,7 @@ def print_table(summary: dict[str, dict[str, Any]], seeds: int) -> None:
         "initial reward",
         "final reward",
         "FE/image/step",
-        "FE ratio vs flow_grpo",
+        "FE ratio vs flow_grpo (95% interval)",
     )
     print(table(rows, header))
 
@@ -442,10 +464,21 @@ def main() -> None:
 
     reached = {n: [v for v in s["fe_to_target"] if v is not None] for n, s in summary.items()}
     base = statistics.fmean(reached["flow_grpo"]) if reached.get("flow_grpo") else math.nan
+    for name, got in reached.items():  # the mean ratio to flow_grpo and its bootstrap interval
+        if name != "flow_grpo" and got and math.isfinite(base):
+            low, high = ratio_interval(got, reached["flow_grpo"])
+            summary[name]["fe_ratio_vs_flow_grpo"] = {
+                "mean_ratio": statistics.fmean(got) / base,
+                "interval_95": None if math.isnan(low) else [low, high],
+            }
     new = {n: statistics.fmean(v) for n, v in reached.items() if n in NEW_ALGORITHMS and v}
     best = min(new, key=new.get) if new else None
     if best is not None and math.isfinite(base):
-        print(f"best new algorithm: {best}, FE to target {new[best] / base:.2f}x flow_grpo's")
+        low, high = ratio_interval(reached[best], reached["flow_grpo"])
+        print(
+            f"best new algorithm: {best}, FE to target {new[best] / base:.2f}x flow_grpo's "
+            f"(95% bootstrap interval over seeds {low:.2f}-{high:.2f})"
+        )
         baselines = {n: statistics.fmean(v) for n, v in reached.items() if n.startswith("flow_grpo") and v}
         strongest = min(baselines, key=baselines.get)
         print(f"  and {new[best] / baselines[strongest]:.2f}x the best FlowGRPO variant's ({strongest})")

@@ -106,3 +106,17 @@ def test_algorithms_stop_at_target_ends_a_run_at_its_first_crossing(monkeypatch)
     assert set(summary["fe_to_thresholds"]) == {"0.76", "0.78", "0.8"}  # none above the target
     full = summarise([{**curve, "stopped_at_target": False}], 0.80)
     assert full["final_reward"] == [pytest.approx(0.8033, abs=1e-4)] and "0.84" in full["fe_to_thresholds"]
+
+
+def test_algorithms_ratio_interval(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    interval = runpy.run_path(str(BENCHMARKS / "algorithms.py"), run_name="algorithms")["ratio_interval"]
+    assert interval([2.0, 2.0, 2.0], [4.0, 4.0]) == (0.5, 0.5)  # no spread: the ratio itself
+    new, base = [1500.0, 2000.0, 2500.0, 1800.0], [2300.0, 2300.0, 8400.0, 4200.0, 3000.0]
+    low, high = interval(new, base)
+    point = (sum(new) / len(new)) / (sum(base) / len(base))
+    assert low < point < high and 0.2 < low and high < 1.2  # it contains the estimate, not everything
+    assert interval(new, base) == (low, high)  # a fixed generator: reproducible
+    narrow = interval(new * 10, base * 10)  # ten times the seeds: a narrower interval
+    assert low < narrow[0] < point < narrow[1] < high
+    assert all(math.isnan(v) for v in interval([1.0], base))
