@@ -96,7 +96,7 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
             "algorithm.nft.old_decay_max=0",
             "algorithm.nft.group_noise=true",
         ],
-        "why": "CFG-free ODE rollouts, 1 schedule level, old = current (the reference's decay type 0: no old-policy forwards; the default lag was <= 0.08 here and ~10% more FE to target), one noise per group (fifth session, seeds 0-1: 1872 FE to 0.80 vs 3888 with per-sample noise); lr 1e-2 beat 3e-3/3e-2, 2 levels, uniform [0.5, 1] and 2 inner epochs no better, beta 0.1 = 1.0",
+        "why": "CFG-free ODE rollouts, 1 schedule level, old = current (the reference's decay type 0: no old-policy forwards; the default lag was <= 0.08 here and ~10% more FE to target), one noise per group (fifth session, seeds 0-1: 1872 FE to 0.80 vs 3888 with per-sample noise); with it lr 1.5e-2/2e-2, 2 mini-batches and 2 levels were slower (sixth session, seeds 0-4); lr 1e-2 beat 3e-3/3e-2, uniform [0.5, 1] and 2 inner epochs no better, beta 0.1 = 1.0",
     },
     "diffusion_nft_cfg": {
         "overrides": [
