@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from boogu_adapters.lora import lora_state_dict
+from boogu_adapters.rollout import RelabelableEngine
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.cli import main
 from boogu_trainer.loop import Trainer
-from boogu_trainer.preflight import CHECKS, PreflightError, run_preflight
+from boogu_trainer.preflight import CHECKS, PreflightError, check_weight_sync, run_preflight
 from tests.trainer.test_loop import small_config
 
 
@@ -83,6 +84,22 @@ def test_passes_and_leaves_everything_as_it_was(trainer):
     assert report["weight_sync"].numbers["restored_diff"] == 0
     assert "preflight passed" in report.render()
     assert_same_state(before, state_of(trainer))
+
+
+def test_an_engine_that_cannot_be_relabelled_is_not_sync_checked(trainer, monkeypatch):
+    assert isinstance(trainer.engine, RelabelableEngine)  # the local engine can be put back
+
+    class Plain:  # generates and syncs, but keeps no sync log and cannot be relabelled
+        needs_lora_state, weights_version = True, 0
+
+        def generate(self, request): ...
+        def sync_weights(self, version, lora_state=None, *, module=None): ...
+        def close(self): ...
+
+    assert not isinstance(Plain(), RelabelableEngine)
+    monkeypatch.setattr(trainer, "engine", Plain())
+    result = check_weight_sync(trainer, [])
+    assert result.passed is None and result.detail == "Plain cannot be put back to its version: not checked"
 
 
 def test_an_engine_with_its_own_copy_passes_and_is_put_back(trainer, monkeypatch):

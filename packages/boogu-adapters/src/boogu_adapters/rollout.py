@@ -67,6 +67,20 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class RelabelableEngine(RolloutEngine, Protocol):
+    """An engine whose weight version a caller can put back (the preflight does, after perturbing
+    and restoring the weights): it keeps a log of its syncs and can be relabelled. Both engines of
+    this package are."""
+
+    sync_log: list[tuple[int, str]]
+    """``(version, fingerprint)`` of every sync, in order."""
+
+    def relabel(self, version: int) -> None:
+        """Call the weights the engine holds ``version`` (the caller restored that version's weights)."""
+        ...
+
+
 class PromptEncoder(Protocol):
     """Instructions (and optional reference images for the VLM) to padded instruction features."""
 

@@ -39,6 +39,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from boogu_adapters.model import LORA_TARGET_MODULES
+from boogu_adapters.rollout import RelabelableEngine
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_schedule import WindowPlan, derive_seed
 from boogu_trainer import checkpoint as ckpt
@@ -444,7 +445,7 @@ def _summarize(names: list[str], limit: int = 4) -> str:
 def check_weight_sync(trainer: Trainer, records: list) -> CheckResult:
     """Perturb every ``lora_B``, publish, roll out the deterministic probe; restore, publish, roll out again."""
     engine, dist = trainer.engine, trainer.dist
-    if not (hasattr(engine, "relabel") and hasattr(engine, "sync_log")):
+    if not isinstance(engine, RelabelableEngine):
         return CheckResult(
             "weight_sync", None, {}, f"{type(engine).__name__} cannot be put back to its version: not checked"
         )
@@ -550,8 +551,8 @@ def _save(trainer: Trainer) -> _Saved:
         ema=None if learner.ema is None else {k: v.clone() for k, v in learner.ema.items()},
         ema_dict=learner.ema,
         gathered=trainer._gathered,
-        version=engine.weights_version if hasattr(engine, "relabel") else None,
-        sync_log=list(getattr(engine, "sync_log", [])),
+        version=engine.weights_version if isinstance(engine, RelabelableEngine) else None,
+        sync_log=list(engine.sync_log) if isinstance(engine, RelabelableEngine) else [],
         stats=copy.deepcopy(engine.stats.__dict__) if hasattr(engine, "stats") else None,
         forwards=dict(trainer.forwards.counts),
         phase=trainer.forwards.phase,
@@ -572,9 +573,8 @@ def _restore(trainer: Trainer, s: _Saved) -> None:
         for k, v in s.ema.items():
             s.ema_dict[k].copy_(v)
     trainer._gathered = s.gathered
-    if s.version is not None:
+    if isinstance(engine, RelabelableEngine) and s.version is not None:
         engine.relabel(s.version)  # the weights are back (re-synced under a newer number): so is the label
-    if hasattr(engine, "sync_log"):
         engine.sync_log[:] = s.sync_log
     if s.stats is not None:
         engine.stats.__dict__.update(s.stats)
