@@ -27,6 +27,8 @@ CPU: an `OmniBackend` whose engine is a stand-in (``collective_rpc`` calls a wor
   serving;
 * every request sent to the engine carries the loaded adapter's ``LoRARequest`` (``None`` when none
   is loaded); the RPC arguments and replies survive pickling (the multi-process executor's transport);
+* a LoRA load or clear that fails returns an error reply on rank 0 and raises on any other rank
+  (whose reply ``collective_rpc`` would drop; vllm-omni reports a raise in its status gather);
 * a bad spec raises ``ProtocolError`` before anything reaches the engine; `close` is idempotent.
 
 Exit code 0 only if every check passes; the last line printed is a one-line summary.
@@ -293,6 +295,33 @@ def main() -> int:
     assert meta["weights_version"] == 4 and meta["lora_fingerprint"] is None, meta
     assert tensors_equal(cleared, base), "after clear_lora the rollout is not the base weights' rollout"
     passed("clear_lora: omni == direct == the base rollout, no LoRARequest")
+
+    # ---- a failure on another rank -------------------------------------------------------------------
+    # collective_rpc returns rank 0's reply only; another rank must raise so that vllm-omni's status
+    # gather reports it. Workers without a LoRA manager fail in _boogu_slot (their pipeline is None,
+    # so nothing shared is touched).
+    from boogu_protocol import pack
+
+    message = pack(
+        {"version": 5, "peft_config": peft_config}, lora_tensors(checkpoint, seed=5, targets=targets)
+    )
+    for rank in (0, 1):
+        worker = FakeWorker.__new__(FakeWorker)
+        worker.rank, worker.model_runner = rank, Runner()
+        worker.model_runner.pipeline = None
+        for call in (lambda w=worker: w.boogu_load_lora(message), lambda w=worker: w.boogu_clear_lora(5)):
+            if rank == 0:
+                reply = call()
+                assert reply["ok"] is False and reply["kind"] == "RuntimeError", reply
+                assert "no LoRA manager" in reply["error"] and reply["serving"] is None, reply
+                continue
+            try:
+                call()
+            except RuntimeError as exc:
+                assert "no LoRA manager" in str(exc), exc
+            else:
+                raise AssertionError("a failure on rank 1 returned a reply that collective_rpc drops")
+    passed("a LoRA failure: rank 0 replies with it, rank 1 raises it (vllm-omni's status gather)")
 
     # ---- a bad spec, close -------------------------------------------------------------------------------
     sent = len(engine.requests)

@@ -69,7 +69,8 @@ No GPU was available when this was written: the following was written from readi
   always found registered and active by ``execute_model``.
 * The multi-process executor (``engine_args={"distributed_executor_backend": "mp"}``; the RPC
   arguments and replies are bytes, dicts, ints, strings) and more than one GPU (``collective_rpc``
-  runs the LoRA methods on every rank; rank 0's reply is read).
+  runs the LoRA methods on every rank; rank 0's reply is read, and a failure on another rank
+  raises there, which vllm-omni's status gather turns into a ``RuntimeError`` naming the rank).
 * Sleep mode: ``sleep`` / ``wake_up`` need ``engine_args={"enable_sleep_mode": True}``; the LoRA buffers
   are allocated outside the weights memory pool, so sleep does not free them.
 
@@ -96,7 +97,10 @@ vllm-omni / vllm APIs relied on (paths under ``site-packages``)
   default load, calls the worker's ``re_init_pipeline``; mixes in ``worker_extension_cls``, and mixes in
   ``CustomPipelineWorkerExtension`` only when none is given, hence `BooguWorkerExtension.re_init_pipeline`),
   ``CustomPipelineWorkerExtension.re_init_pipeline``, ``DiffusionWorker.execute_model`` (activates
-  ``sampling_params.lora_request``), ``DiffusionWorker.lora_manager`` / ``model_runner.pipeline`` /
+  ``sampling_params.lora_request``), ``DiffusionWorker.rank`` (its gpu_id), ``WorkerProc._execute_rpc``
+  (default reply mode: every rank runs the method and reports an exception in its status, rank 0
+  replies; ``executor/multiproc_executor.py`` raises ``RuntimeError`` for any failed rank's status),
+  ``DiffusionWorker.lora_manager`` / ``model_runner.pipeline`` /
   ``vllm_config`` / ``od_config``, ``sleep``, ``wake_up``.
 * ``vllm_omni/diffusion/forward_context.py``: ``set_forward_context``; ``vllm/config``:
   ``set_current_vllm_config``; ``vllm_omni/diffusion/config.py``: ``set_current_diffusion_config``.
@@ -196,8 +200,13 @@ class BooguWorkerExtension:
             pipeline.lora_fingerprint = None  # the base weights serve: no fingerprint to report
         return reply
 
-    @staticmethod
-    def _boogu_error(what: str, exc: Exception) -> dict[str, Any]:
+    def _boogu_error(self, what: str, exc: Exception) -> dict[str, Any]:
+        """The failure reply of rank 0. Any other rank raises instead: ``collective_rpc`` (default
+        reply mode) returns rank 0's result only, so a reply from another rank would be dropped; a
+        raise reaches the caller through vllm-omni's gather of every rank's status, as
+        ``RuntimeError("RPC '<method>' failed on worker rank(s): rank N: <type>: <message>")``."""
+        if getattr(self, "rank", 0) != 0:  # DiffusionWorker.rank (= its gpu_id)
+            raise exc
         if type(exc).__name__ not in ("LoraSyncError", "ProtocolError"):
             log.exception("%s failed in the diffusion worker", what)
         return {"ok": False, "kind": type(exc).__name__, "error": str(exc)}
