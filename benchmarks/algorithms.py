@@ -18,10 +18,13 @@ reward against cumulative FE and against wall time (``--out DIR``/algorithms.png
 (null where a seed never reached the target; the curves and the settings in other keys).
 
     uv run python benchmarks/algorithms.py [--seeds 3] [--first-seed 0] [--budget-fe 12288] [--target 0.8]
-        [--algorithms flow_grpo,awm] [--set awm:optim.lr=1e-2] [--out DIR] [--json PATH] [--quick]
+        [--algorithms flow_grpo,awm] [--set awm:optim.lr=1e-2] [--stop-at-target] [--out DIR]
+        [--json PATH] [--quick]
 
-The default run is 6 learners x 3 seeds. With 5 learners it took 19 minutes on 2 CPU cores;
-diffusion_nft_cfg adds about 2 (35 s per seed on an idle machine).
+The default run is 6 learners x 3 seeds: 1124 s in the script on 2 idle CPU cores (2026-12-02).
+``--stop-at-target`` ends each run at its first crossing of the target (the figures to the target
+only, 3-6x cheaper: for many-seed checks). The table gives each learner's FE ratio to flow_grpo
+with a 95% bootstrap interval over seeds.
 ``--quick`` (CI) runs every algorithm for 3 steps of 1 prompt x 8 samples with one seed (about
 20 s) and checks the plumbing only. The rewards are those of each algorithm's own rollouts (its
 sampler and CFG scale). Sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (see benchmarks/README.md).
