@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from boogu_schedule import flow_target, forward_noise
-from boogu_trainer.config import ConfigError, NftConfig, load_config
+from boogu_trainer.config import FORWARD_OPTIONS_KEYS, ConfigError, NftConfig, load_config
 from boogu_trainer.losses import awm_log_prob, awm_loss, grpo_guard_loss, nft_loss, policy_loss, velocity_kl
 
 
@@ -144,7 +144,7 @@ def _level_plan(name: str, group_ids: list[int], group_noise: bool, n: int = 4):
 
     from boogu_trainer.forward_process import LevelPlan
 
-    short = "nft" if name == "diffusion_nft" else "awm"
+    short = FORWARD_OPTIONS_KEYS[name]
     cfg = load_config(
         None,
         [

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from boogu_trainer.config import demo_config, load_config
+from boogu_trainer.config import FORWARD_OPTIONS_KEYS, demo_config, load_config
 from boogu_trainer.data import demo_records
 from boogu_trainer.distributed import local_tensor
 from boogu_trainer.evaluation import Evaluator
@@ -136,7 +136,7 @@ def test_awm_computes_old_log_probs_only_for_its_clip(clip, old_per_image, tiny_
 def test_guided_training_runs_both_cfg_rows(name, tiny_checkpoint, tmp_path):
     """With `guided` the forward-process learners train the CFG-guided velocity: both rows of every
     training forward and backward (twice the unguided training FE); the rollout's CFG is the same."""
-    short = "nft" if name == "diffusion_nft" else "awm"
+    short = FORWARD_OPTIONS_KEYS[name]
     settings = [
         f"algorithm.name={name}",
         "sampler.window_size=0",

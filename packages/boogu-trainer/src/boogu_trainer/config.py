@@ -296,8 +296,10 @@ class RolloutConfig:
 
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft", "awm")
-FORWARD_PROCESS_ALGORITHMS = ("diffusion_nft", "awm")
-"""Algorithms that train on re-noised clean samples (any sampler, ODE rollouts included)."""
+FORWARD_OPTIONS_KEYS = {"diffusion_nft": "nft", "awm": "awm"}
+"""The algorithms that train on re-noised clean samples (any sampler, ODE rollouts included), each
+with the key of its options (``algorithm.nft``, ``algorithm.awm``)."""
+FORWARD_PROCESS_ALGORITHMS = tuple(FORWARD_OPTIONS_KEYS)
 
 
 @dataclass(frozen=True)
@@ -410,7 +412,7 @@ class AlgorithmConfig:
     @property
     def forward_key(self) -> str | None:
         """'nft' or 'awm': the options key of a forward-process learner; None for flow_grpo."""
-        return {"diffusion_nft": "nft", "awm": "awm"}.get(self.name)
+        return FORWARD_OPTIONS_KEYS.get(self.name)
 
     @property
     def forward_options(self) -> NftConfig | AwmConfig | None:
