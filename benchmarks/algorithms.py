@@ -178,13 +178,12 @@ def should_stop(
 ) -> bool:
     """Whether a run stops after the step that gave ``rewards[-1]``: the FE budget or ``max_steps``
     is reached, or (``stop_at`` not None) the smoothed reward has just reached ``stop_at``."""
-    return cum_fe >= budget_fe or len(rewards) >= max_steps or reached(rewards, stop_at)
+    return cum_fe >= budget_fe or len(rewards) >= max_steps or at_target(rewards, stop_at)
 
 
-def reached(rewards: list[float], stop_at: float | None) -> bool:
+def at_target(rewards: list[float], stop_at: float | None) -> bool:
     """Whether the smoothed reward of the last step reaches ``stop_at`` (never with None)."""
-    last = smoothed(rewards[-SMOOTH:])[-1] if rewards else None
-    return stop_at is not None and last is not None and last >= stop_at
+    return stop_at is not None and len(rewards) >= SMOOTH and statistics.fmean(rewards[-SMOOTH:]) >= stop_at
 
 
 def run_one(
@@ -221,7 +220,7 @@ def run_one(
         "images_per_step": float(history[0]["cum/images"]),
         "run_wall_s": wall,
         # Stopped by --stop-at-target: the curve ends at the target, so it has no final reward.
-        "stopped_at_target": reached(rewards, stop_at),
+        "stopped_at_target": at_target(rewards, stop_at),
     }
 
 
@@ -286,20 +285,33 @@ def mean_std(values: list[float | None], fmt: str = "{:.0f}") -> str:
     return f"{fmt.format(statistics.fmean(got))} ± {fmt.format(statistics.stdev(got))}"
 
 
-def print_table(summary: dict[str, dict[str, Any]], seeds: int) -> None:
+def add_ratios(summary: dict[str, dict[str, Any]]) -> None:
+    """Each learner's ``fe_ratio_vs_flow_grpo``: ``{"mean_ratio", "interval_95"}`` (the ratio of the
+    mean FE to target over the seeds that reached it, and its `ratio_interval`, None for one seed);
+    flow_grpo's is 1 with no interval. Left out where either side has no seed that reached it."""
     base = [v for v in summary.get("flow_grpo", {}).get("fe_to_target", []) if v is not None]
-    base_mean = statistics.fmean(base) if base else None
-    rows = []
     for name, s in summary.items():
         got = [v for v in s["fe_to_target"] if v is not None]
-        ratio = f"{statistics.fmean(got) / base_mean:.2f}" if got and base_mean else "-"
+        if not (got and base):
+            continue
         low, high = ratio_interval(got, base) if name != "flow_grpo" else (math.nan, math.nan)
-        if math.isfinite(low):
-            ratio += f" ({low:.2f}-{high:.2f})"
+        s["fe_ratio_vs_flow_grpo"] = {
+            "mean_ratio": statistics.fmean(got) / statistics.fmean(base),
+            "interval_95": None if math.isnan(low) else [low, high],
+        }
+
+
+def print_table(summary: dict[str, dict[str, Any]], seeds: int) -> None:
+    rows = []
+    for name, s in summary.items():
+        r = s.get("fe_ratio_vs_flow_grpo")
+        ratio = "-" if r is None else f"{r['mean_ratio']:.2f}"
+        if r is not None and r["interval_95"] is not None:
+            ratio += " ({:.2f}-{:.2f})".format(*r["interval_95"])
         rows.append(
             (
                 name,
-                f"{len(got)}/{seeds}",
+                f"{sum(v is not None for v in s['fe_to_target'])}/{seeds}",
                 mean_std(s["fe_to_target"]),
                 mean_std(s["wall_to_target_s"], "{:.1f}"),
                 mean_std(s["steps_to_target"], "{:.1f}"),
@@ -448,6 +460,7 @@ def main() -> None:
                 )
     total = time.perf_counter() - t0
     summary = {name: summarise(runs, args.target, args.stop_at_target) for name, runs in curves.items()}
+    add_ratios(summary)
 
     print()
     print(
@@ -467,20 +480,17 @@ def main() -> None:
 
     reached = {n: [v for v in s["fe_to_target"] if v is not None] for n, s in summary.items()}
     base = statistics.fmean(reached["flow_grpo"]) if reached.get("flow_grpo") else math.nan
-    for name, got in reached.items():  # the mean ratio to flow_grpo and its bootstrap interval
-        if name != "flow_grpo" and got and math.isfinite(base):
-            low, high = ratio_interval(got, reached["flow_grpo"])
-            summary[name]["fe_ratio_vs_flow_grpo"] = {
-                "mean_ratio": statistics.fmean(got) / base,
-                "interval_95": None if math.isnan(low) else [low, high],
-            }
     new = {n: statistics.fmean(v) for n, v in reached.items() if n in NEW_ALGORITHMS and v}
     best = min(new, key=new.get) if new else None
     if best is not None and math.isfinite(base):
-        low, high = ratio_interval(reached[best], reached["flow_grpo"])
+        interval = summary[best]["fe_ratio_vs_flow_grpo"]["interval_95"]
         print(
-            f"best new algorithm: {best}, FE to target {new[best] / base:.2f}x flow_grpo's "
-            f"(95% bootstrap interval over seeds {low:.2f}-{high:.2f})"
+            f"best new algorithm: {best}, FE to target {new[best] / base:.2f}x flow_grpo's"
+            + (
+                ""
+                if interval is None
+                else " (95% bootstrap interval over seeds {:.2f}-{:.2f})".format(*interval)
+            )
         )
         baselines = {n: statistics.fmean(v) for n, v in reached.items() if n.startswith("flow_grpo") and v}
         strongest = min(baselines, key=baselines.get)

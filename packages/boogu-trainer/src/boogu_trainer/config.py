@@ -299,7 +299,6 @@ ALGORITHMS = ("flow_grpo", "diffusion_nft", "awm")
 FORWARD_OPTIONS_KEYS = {"diffusion_nft": "nft", "awm": "awm"}
 """The algorithms that train on re-noised clean samples (any sampler, ODE rollouts included), each
 with the key of its options (``algorithm.nft``, ``algorithm.awm``)."""
-FORWARD_PROCESS_ALGORITHMS = tuple(FORWARD_OPTIONS_KEYS)
 
 
 @dataclass(frozen=True)
