@@ -14,6 +14,11 @@ from hypothesis import HealthCheck, settings
 
 # Idle OpenMP threads must not spin on a shared 2-core machine (set before torch is imported).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist (`-n auto` in pyproject.toml) the workers share the cores: each gets its share of
+# threads rather than one per core (four threads on two cores make every worker slower).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

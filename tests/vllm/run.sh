@@ -15,7 +15,7 @@ echo "rollout environment ready in $(( $(date +%s) - start )) s"
 
 echo "== tests/vllm"
 set +e
-uv run pytest tests/vllm -m vllm "$@"
+uv run pytest tests/vllm -m vllm -n 0 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
