@@ -29,6 +29,8 @@ CPU: an `OmniBackend` whose engine is a stand-in (``collective_rpc`` calls a wor
   is loaded); the RPC arguments and replies survive pickling (the multi-process executor's transport);
 * a LoRA load or clear that fails returns an error reply on rank 0 and raises on any other rank
   (whose reply ``collective_rpc`` would drop; vllm-omni reports a raise in its status gather);
+  after such a raise (rank 0 may have loaded the new LoRA) `generate` refuses, naming the failed
+  call, until a load succeeds on every rank;
 * a bad spec raises ``ProtocolError`` before anything reaches the engine; `close` is idempotent.
 
 Exit code 0 only if every check passes; the last line printed is a one-line summary.
@@ -322,6 +324,41 @@ def main() -> int:
             else:
                 raise AssertionError("a failure on rank 1 returned a reply that collective_rpc drops")
     passed("a LoRA failure: rank 0 replies with it, rank 1 raises it (vllm-omni's status gather)")
+
+    # ---- the backend after a failure on another rank -------------------------------------------------
+    # Rank 0 loads v6 and rank 1 fails: collective_rpc raises (vllm-omni's status gather) and the ranks
+    # may serve different weights, so generate must refuse until a load succeeds everywhere.
+    real_rpc = engine.collective_rpc
+
+    def rank_1_fails(method, timeout=None, args=(), kwargs=None):
+        real_rpc(method, timeout=timeout, args=args, kwargs=kwargs)  # rank 0's run (it succeeds)
+        raise RuntimeError(
+            f"RPC '{method}' failed on worker rank(s): rank 1: RuntimeError: CUDA out of memory"
+        )
+
+    engine.collective_rpc = rank_1_fails
+    try:
+        omni.load_lora(6, peft_config, lora_tensors(checkpoint, seed=6, targets=targets))
+    except RuntimeError as exc:
+        assert "rank 1" in str(exc), exc
+    else:
+        raise AssertionError("a load that failed on rank 1 did not raise")
+    engine.collective_rpc = real_rpc
+    sent = len(engine.requests)
+    try:
+        omni.generate(spec, images)
+    except RuntimeError as exc:
+        assert "different LoRA weights since load_lora v6 failed on another rank" in str(exc), exc
+    else:
+        raise AssertionError("a rollout ran while the ranks may hold different LoRA weights")
+    assert len(engine.requests) == sent, "a rollout reached the engine after a failure on rank 1"
+    tensors = lora_tensors(checkpoint, seed=7, targets=targets)
+    ack = omni.load_lora(7, peft_config, tensors)
+    assert ack == direct.load_lora(7, peft_config, tensors), ack
+    serving["request"] = (LORA_NAME, LORA_INT_ID, LORA_PATH)
+    meta, _ = rollout()
+    assert meta["weights_version"] == 7 and meta["lora_fingerprint"] == ack["fingerprint"], meta
+    passed("after a LoRA failure on rank 1, generate refuses until a load succeeds on every rank")
 
     # ---- a bad spec, close -------------------------------------------------------------------------------
     sent = len(engine.requests)

@@ -52,7 +52,10 @@ rather than serve other weights. A failed load is raised here with the worker's 
 kept (``LoraSyncError`` -> HTTP 409, ``ProtocolError`` / ``ValueError`` -> 400 / 422, else
 ``RuntimeError``); what is served afterwards is whatever the slot reports (``LoraSlot.load`` decides:
 the previous adapter, or the base weights), and if the slot holds none, the pipeline's
-``lora_fingerprint`` is set to ``None`` so that the metadata does not claim an adapter.
+``lora_fingerprint`` is set to ``None`` so that the metadata does not claim an adapter. On more than
+one GPU a failure on a rank other than 0 raises out of ``collective_rpc`` (below) while rank 0 may
+have loaded the new adapter: `OmniBackend` then refuses every `generate`, naming the failed call,
+until a load or clear succeeds on every rank, rather than roll out on ranks that disagree.
 
 Untested
 ========
@@ -263,6 +266,9 @@ class OmniBackend:
         """
         self._engine: Any = None
         self._lora_request: Any = None
+        self._unsynced: str | None = None
+        """Set when a LoRA call raised out of ``collective_rpc`` (a rank other than 0 failed): the ranks
+        may now hold different adapters, so `generate` refuses until a load or clear succeeds."""
         self.last_stats: dict[str, float] = {}
         """``wall_s`` and ``peak_memory_mb`` of the last `generate`."""
         if devices is not None:
@@ -298,6 +304,11 @@ class OmniBackend:
         """One rollout request (``spec``: a ``RolloutSpec`` as JSON; ``tensors``: ``ref_image.{i}``);
         returns the pipeline's ``(meta, tensors)``."""
         self._check_open()
+        if self._unsynced is not None:
+            raise RuntimeError(
+                f"the vllm-omni ranks may hold different LoRA weights since {self._unsynced}; "
+                "load or clear a LoRA before the next rollout"
+            )
         from vllm_omni.diffusion.request import OmniDiffusionRequest
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -344,7 +355,7 @@ class OmniBackend:
         not fit) and then serves what the slot holds."""
         self._check_open()
         message = pack({"version": version, "peft_config": dict(peft_config)}, tensors)
-        reply = self._rpc("boogu_load_lora", message=message)
+        reply = self._lora_rpc(f"load_lora v{version}", "boogu_load_lora", message=message)
         self._serve(reply)
         if not reply["ok"]:
             raise self._error(f"load_lora v{version}", reply)
@@ -353,11 +364,25 @@ class OmniBackend:
     def clear_lora(self, version: int) -> dict:
         """Serve the base weights from now on; the rollouts report ``version``."""
         self._check_open()
-        reply = self._rpc("boogu_clear_lora", version=version)
+        reply = self._lora_rpc(f"clear_lora v{version}", "boogu_clear_lora", version=version)
         self._serve(reply)
         if not reply["ok"]:
             raise self._error(f"clear_lora v{version}", reply)
         return {"version": version, "fingerprint": None, "keys": 0}
+
+    def _lora_rpc(self, what: str, method: str, **kwargs: Any) -> dict[str, Any]:
+        """A LoRA RPC on every rank. A failure of rank 0 alone comes back as its reply. A failure of
+        any other rank raises out of ``collective_rpc``, and rank 0 (or another rank) may have
+        succeeded: the ranks may now serve different weights, so `generate` refuses from then on,
+        until a load or clear succeeds on every rank."""
+        try:
+            reply = self._rpc(method, **kwargs)
+        except Exception:
+            self._unsynced = f"{what} failed on another rank"
+            raise
+        if reply["ok"]:
+            self._unsynced = None
+        return reply
 
     def _serve(self, reply: Mapping[str, Any]) -> None:
         """The ``LoRARequest`` every following request carries: the adapter the worker's slot holds."""
