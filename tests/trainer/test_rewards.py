@@ -436,8 +436,13 @@ def test_vlm_ocr_proxies_only_with_use_proxy_env(stub, monkeypatch) -> None:
     token = base64.b64encode(b"user:s:cret").decode()
     assert state.headers[1]["Proxy-Authorization"] == f"Basic {token}"
     monkeypatch.setenv("http_proxy", "socks5://127.0.0.1:1080")
-    with pytest.raises(ValueError, match=r"http_proxy.*http:// proxy.*socks5"):
+    with pytest.raises(ValueError, match=r"^vlm_ocr: the http_proxy.*http:// proxy.*socks5"):
         _vlm("http://vlm.invalid:8000/v1", use_proxy_env=True)
+    # The transport is shared: the http reward's error names the http reward.
+    from boogu_trainer.rewards.http import HttpReward
+
+    with pytest.raises(ValueError, match=r"^http: the http_proxy.*http:// proxy.*socks5"):
+        HttpReward(url="http://reward.invalid:8000", use_proxy_env=True)
 
 
 def test_vlm_ocr_does_not_retry_a_rejected_request(stub) -> None:

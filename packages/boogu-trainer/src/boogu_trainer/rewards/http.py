@@ -5,8 +5,9 @@ The images of a batch are sent as base64 PNGs, with their prompt records, in chu
 non-finite one, read back as NaN). ``boogu-reward-server`` (`boogu_trainer.reward_server`)
 serves any registered reward this way, so an expensive reward can run on its own GPU or machine.
 
-The transport is `vlm_ocr`'s (standard library ``http.client``): every attempt has an overall
-deadline, ``timeout_s``, for connecting, sending the request and reading the whole answer;
+The transport is `boogu_trainer.rewards.transport` (standard library ``http.client``, shared with
+`vlm_ocr`): every attempt has an overall deadline, ``timeout_s``, for connecting, sending the
+request and reading the whole answer;
 transient failures (connection errors, a missed deadline, HTTP 408/425/429/5xx) are retried with
 exponential backoff; after the last retry, or at once for any other status (3xx, 4xx; redirects
 are not followed) or a malformed answer (not JSON, the wrong protocol version, the wrong number of
@@ -34,14 +35,14 @@ from PIL import Image
 from boogu_data import PromptRecord
 from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
-from boogu_trainer.rewards.vlm import (
-    _endpoint,
-    _excerpt,
-    _is_int,
-    _is_number,
-    _send_once,
+from boogu_trainer.rewards.transport import (
+    TransientError,
+    excerpt,
+    is_int,
+    is_number,
+    resolve_endpoint,
+    send_once,
 )
-from boogu_trainer.rewards.vlm import _TransientError as _Transient
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -198,11 +199,11 @@ class HttpReward:
                 "'/score' is appended"
             )
         _require(reward is None or (isinstance(reward, str) and reward), "reward", reward, "a name or None")
-        _require(_is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an int >= 1")
-        _require(_is_number(timeout_s) and timeout_s > 0, "timeout_s", timeout_s, "> 0")
-        _require(_is_int(retries) and retries >= 0, "retries", retries, "an int >= 0")
-        _require(_is_number(backoff_s) and backoff_s >= 0, "backoff_s", backoff_s, ">= 0")
-        _require(_is_number(backoff_max_s) and backoff_max_s >= 0, "backoff_max_s", backoff_max_s, ">= 0")
+        _require(is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an int >= 1")
+        _require(is_number(timeout_s) and timeout_s > 0, "timeout_s", timeout_s, "> 0")
+        _require(is_int(retries) and retries >= 0, "retries", retries, "an int >= 0")
+        _require(is_number(backoff_s) and backoff_s >= 0, "backoff_s", backoff_s, ">= 0")
+        _require(is_number(backoff_max_s) and backoff_max_s >= 0, "backoff_max_s", backoff_max_s, ">= 0")
         _require(isinstance(name, str) and name, "name", name, "a non-empty string")
         self.name = name
         self.url = url
@@ -221,7 +222,9 @@ class HttpReward:
             if not key:
                 raise ValueError(f"http reward: api_key_env names {api_key_env!r}, which is unset or empty")
             self._headers["Authorization"] = f"Bearer {key}"
-        self._endpoints = {path: _endpoint(f"{url}{path}", use_proxy_env) for path in ("/score", "/health")}
+        self._endpoints = {
+            path: resolve_endpoint(f"{url}{path}", use_proxy_env, "http") for path in ("/score", "/health")
+        }
         self._headers.update(self._endpoints["/score"].proxy_headers)
 
     def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
@@ -268,7 +271,7 @@ class HttpReward:
         except ValueError as error:
             raise RewardError(
                 f"http reward: POST {self.score_url} answered {what} with a malformed answer: {error}: "
-                f"{_excerpt(raw)}"
+                f"{excerpt(raw)}"
             ) from None
 
     def _exchange(
@@ -276,13 +279,13 @@ class HttpReward:
     ) -> Any:
         """One request with the retries: the parsed JSON answer (and the raw bytes, ``with_raw``)."""
         attempts = self.retries + 1
-        last_error: _Transient | None = None
+        last_error: TransientError | None = None
         for attempt in range(attempts):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
             try:
                 raw = self._attempt(method, path, body, what)
-            except _Transient as error:
+            except TransientError as error:
                 last_error = error
                 logger.info("http reward: %s %s%s, attempt %d/%d failed: %s", method, self.url, path,
                             attempt + 1, attempts, error)  # fmt: skip
@@ -296,7 +299,7 @@ class HttpReward:
         )
 
     def _attempt(self, method: str, path: str, body: bytes | None, what: str) -> bytes:
-        raw = _send_once(self._endpoints[path], method, body, self._headers, self.timeout_s, _server_message)
+        raw = send_once(self._endpoints[path], method, body, self._headers, self.timeout_s, _server_message)
         if isinstance(raw, str):  # a 3xx/4xx refusal, described
             raise RewardError(f"http reward: {method} {self.url}{path} was rejected for {what}: {raw}")
         return raw
@@ -307,13 +310,13 @@ class HttpReward:
         except ValueError:
             raise RewardError(
                 f"http reward: {method} {self.url}{path} answered {what} with something that is not "
-                f"JSON (is it a reward service?): {_excerpt(raw)}"
+                f"JSON (is it a reward service?): {excerpt(raw)}"
             ) from None
         version = payload.get("version") if isinstance(payload, dict) else None
         if version != PROTOCOL_VERSION:
             raise RewardError(
                 f"http reward: {method} {self.url}{path} answered {what} with protocol version "
-                f"{version!r}; this client speaks version {PROTOCOL_VERSION}: {_excerpt(raw)}"
+                f"{version!r}; this client speaks version {PROTOCOL_VERSION}: {excerpt(raw)}"
             )
         return payload
 
@@ -327,8 +330,8 @@ def _server_message(raw: bytes) -> str:
         payload = json.loads(raw)
         message = payload["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        return _excerpt(raw)
-    return _excerpt(str(message).encode("utf-8"), limit=1000)
+        return excerpt(raw)
+    return excerpt(str(message).encode("utf-8"), limit=1000)
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
