@@ -96,6 +96,16 @@ def test_rollout_micro_batches_equal_the_whole_batch(tiny_parts):
         assert got.window == whole.window
 
 
+def test_velocity_micro_batches_refuse_gradients():
+    """``boogu_velocity(micro_batch_size=)`` splits a no-grad forward; under autograd it would keep
+    every chunk's activations until one backward, which is what micro-batching must avoid."""
+    from boogu_adapters.step import boogu_velocity
+
+    x, sigma = torch.zeros(4, 16, 2, 2), torch.full((4,), 0.5)
+    with pytest.raises(RuntimeError, match="micro_batch_size=2 is for forwards without gradients"):
+        boogu_velocity(None, x, sigma, None, 1.0, (), micro_batch_size=2)
+
+
 def test_training_micro_batches_accumulate_to_the_same_update(tiny_checkpoint, tmp_path):
     """One step with micro-batches of 3 (chunks 3 + 1 of each 4-sample mini-batch) and rollout chunks
     of 2 makes the same LoRA update as the unsplit step: the gradients accumulate with each chunk's

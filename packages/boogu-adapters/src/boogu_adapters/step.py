@@ -84,8 +84,8 @@ def boogu_velocity(
         cfg_mode: ``"batched"`` runs positive and negative in one forward of 2B samples (equal to the
             sequential result within float tolerance, faster); ``"sequential"`` runs two forwards.
         micro_batch_size: at most this many latents per transformer call (consecutive rows;
-            0 = all). Without gradients only: a training step splits its rows itself, so that each
-            micro-batch's activations are freed by its own backward.
+            0 = all). Without gradients only (a RuntimeError under autograd): a training step splits
+            its rows itself, so that each micro-batch's activations are freed by its own backward.
     """
     if latents.dtype != torch.float32 or sigma.dtype != torch.float32:
         raise TypeError(
@@ -93,6 +93,12 @@ def boogu_velocity(
         )
     batch = latents.shape[0]
     if 0 < micro_batch_size < batch:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"boogu_velocity: micro_batch_size={micro_batch_size} is for forwards without gradients "
+                "(torch.no_grad or inference_mode); a training step splits its rows itself, so that each "
+                "micro-batch's backward frees its activations"
+            )
         return torch.cat(
             [
                 boogu_velocity(
