@@ -1,5 +1,6 @@
 """DiffusionNFT, AWM and GRPO-Guard in the trainer on the tiny model: they train, their reward follows
-the advantage's sign, their compute is accounted, and NFT's old policy resumes exactly."""
+the advantage's sign, their compute is accounted, NFT's old policy resumes exactly, and edit rows
+train with their own reference latents."""
 
 from __future__ import annotations
 
@@ -209,3 +210,63 @@ def test_reward_follows_the_advantage_sign(algorithm, tiny_checkpoint, tmp_path)
     down, down_err = _sign_run(tiny_checkpoint, tmp_path / "down", -1, SIGN_SETTINGS[algorithm])
     assert up > 2 * up_err, (up, up_err)
     assert -down > 2 * down_err, (down, down_err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["diffusion_nft", "awm"])
+def test_forward_process_learners_train_edit_rows_with_their_reference(
+    name, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """Edit rows through DiffusionNFT and AWM: every training forward on the re-noised final latents
+    carries each row's own reference latents (the rollout's, in row order), and the step trains."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    import boogu_trainer.forward_process as fp
+    from boogu_data import PromptRecord, write_records
+
+    def png(seed: int) -> bytes:
+        pixels = np.random.default_rng(seed).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    path = tmp_path / "edit.parquet"
+    write_records(
+        [
+            PromptRecord(instruction=p, ground_truth="hi", data_source="test/edit", index=i, ref_image=png(i))
+            for i, p in enumerate(["make it orange", "make it blue"])
+        ],
+        path,
+        "edit",
+    )
+    short = FORWARD_OPTIONS_KEYS[name]
+    cfg = make(
+        tiny_checkpoint,
+        tmp_path / "run",
+        f"algorithm.name={name}",
+        *FORWARD,
+        f"algorithm.{short}.timesteps=1",
+        f"data.train_files=[{path}]",
+        "total_steps=1",
+    )
+    seen: list[tuple] = []
+    real = fp.boogu_velocity
+
+    def spy(transformer, x, sigma, cond, *args, **kwargs):
+        seen.append(tuple(cond.ref_latents or ()))
+        return real(transformer, x, sigma, cond, *args, **kwargs)
+
+    monkeypatch.setattr(fp, "boogu_velocity", spy)
+    trainer = Trainer(cfg)
+    (record,) = trainer.train()
+    assert record["edit_samples"] == record["samples"] == 2 * cfg.algorithm.group_size
+    assert seen, "no training forward went through the forward-process update"
+    for call in seen:
+        assert call and all(r is not None for r in call), "a training forward lost its reference latents"
+    # Rows of the two prompts carry different references (each row its own image, not one for all).
+    first = seen[0]
+    assert not torch.equal(first[0], first[-1]), "the first and the last row carry the same reference"
+    assert math.isfinite(record["loss"]) and record["optimizer_steps"] == 1
