@@ -105,7 +105,10 @@ def test_forward_equivalents_per_phase_and_cumulative(tiny_checkpoint, tmp_path)
     images = cfg.data.prompts_per_step * cfg.algorithm.group_size
     assert first["cum/images"] == images and second["cum/images"] == 2 * images
     assert second["cum/fe"] == (first["fe/total_per_image"] + second["fe/total_per_image"]) * images
-    assert second["cum/tflops"] > first["cum/tflops"] > 0 and second["cum/time_s"] > first["cum/time_s"]
+    # perf/tflops is each step's model TFLOP (a total, not a rate): cum/tflops adds them up.
+    assert first["cum/tflops"] == pytest.approx(first["perf/tflops"], rel=1e-12) and first["perf/tflops"] > 0
+    assert second["cum/tflops"] == pytest.approx(first["perf/tflops"] + second["perf/tflops"], rel=1e-12)
+    assert second["cum/time_s"] == pytest.approx(first["time/step"] + second["time/step"], rel=1e-12)
 
 
 @pytest.mark.slow

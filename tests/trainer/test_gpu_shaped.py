@@ -96,6 +96,46 @@ def test_rollout_micro_batches_equal_the_whole_batch(tiny_parts):
         assert got.window == whole.window
 
 
+@pytest.mark.parametrize("kind", ["t2i-cfg", "edit-cfg", "t2i-no-cfg"])
+def test_a_remote_rollout_books_the_flops_the_local_engine_measures(kind, tiny_parts):
+    """The vllm-omni worker's rollout FLOPs, booked from the trajectory's layout
+    (`FlopMeter.book_remote_rollout`), equal what the FLOP meter's hooks measure when the local
+    engine runs the same request: every step, the positive forward and, with CFG, the negative one
+    (its own prompt length, the same references)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from boogu_trainer.perf import FlopMeter
+
+    records = [
+        PromptRecord(
+            index=0, instruction="a red circle on a white wall", negative="blurry, dark, low quality"
+        ),
+        PromptRecord(index=1, instruction="the word BOOGU", negative=""),
+    ]
+    if kind.startswith("edit"):
+        buffer = io.BytesIO()
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 48, 3), dtype=np.uint8)).save(
+            buffer, format="PNG"
+        )
+        records = [dataclasses.replace(r, ref_image=buffer.getvalue()) for r in records]
+    engine = build_local_engine(tiny_parts, max_sequence_length=256)
+    meter = FlopMeter(engine.transformer)
+    try:
+        traj = engine.generate(_request(records=records, guidance_scale=1.0 if "no-cfg" in kind else 2.0))
+        measured = meter.take()
+        meter.book_remote_rollout(traj)
+        booked = meter.take()
+    finally:
+        meter.close()
+    assert traj.conditioning.is_edit == kind.startswith("edit")
+    assert measured["perf/tflops_rollout"] > 0 and measured["perf/tflops_worker"] == 0
+    assert booked["perf/tflops"] == 0  # not this process's FLOPs
+    assert booked["perf/tflops_worker"] == pytest.approx(measured["perf/tflops_rollout"], rel=1e-12)
+
+
 def test_velocity_micro_batches_refuse_gradients():
     """``boogu_velocity(micro_batch_size=)`` splits a no-grad forward; under autograd it would keep
     every chunk's activations until one backward, which is what micro-batching must avoid."""

@@ -241,6 +241,11 @@ def test_two_steps_train_and_resume_exactly(worker, tiny_checkpoint, tmp_path):
         assert h["nfe/rollout_per_image"] == 8.0  # 4 steps x 2 (CFG), counted by the worker
         diffs = [v for k, v in h.items() if k.startswith("logprob_diff/")]
         assert diffs and max(diffs) < 1e-3, h  # training's recomputation matches the worker's log-probs
+        # The worker's rollout FLOPs are booked from the batch's layout; cum/tflops counts them.
+        assert h["perf/tflops_worker"] > 0
+    assert history[-1]["cum/tflops"] == pytest.approx(
+        sum(h["perf/tflops"] + h["perf/tflops_worker"] for h in history), rel=1e-12
+    )
     lora_a = {k: v.clone() for k, v in lora_state_dict(first.transformer).items()}
 
     shutil.copytree(tmp_path / "a", tmp_path / "b")

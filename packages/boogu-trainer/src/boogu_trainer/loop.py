@@ -374,8 +374,10 @@ class Trainer:
         self._check_failures(update)
         forwards = self.forwards.take()
         if self.engine is not self.local_engine:
-            # The rollout's forwards ran in the worker, not on this module: count what it reports.
+            # The rollout's forwards ran in the worker, not on this module: count what it reports,
+            # and book their model FLOPs from the batch's layout (perf/tflops_worker).
             forwards["rollout"] = forwards.get("rollout", 0) + batch.trajectory.nfe
+            self.flop_meter.book_remote_rollout(batch.trajectory)
         self._warn_logprob_diff(update.metrics, step)
         images = batch.metrics["samples"]
         metrics = {**batch.metrics, **update.metrics, **timer.metrics()}
@@ -406,7 +408,8 @@ class Trainer:
         ranks), so that curves can be drawn against compute as well as steps."""
         fe = forward_equivalents(forwards, checkpointing=self._checkpointing())
         out = {f"fe/{k}_per_image": v / max(images, 1) for k, v in fe.items()}
-        step_tflops = perf.get("perf/tflops", 0.0) * seconds  # this rank's TFLOP of the step
+        # This rank's model TFLOP of the step (totals, not rates), with its worker's rollout.
+        step_tflops = perf.get("perf/tflops", 0.0) + perf.get("perf/tflops_worker", 0.0)
         local = torch.tensor([fe["total"], fe["backward"], step_tflops, images], dtype=torch.float64)
         total = self.dist.all_reduce_sum(local.to(self.device), "compute totals").cpu().tolist()
         for key, value in zip(("fe", "backward", "tflops", "images"), total):

@@ -232,8 +232,10 @@ class FlopMeter:
         self._lora_layers = [m for m in model.modules() if hasattr(m, "disable_adapters") and hasattr(m, "r")]
         self.attention_recompute = attention_recompute
         self._warned = False
+        self._patch = int(model.config.patch_size)
         self._rollout = 0
         self._train = 0
+        self._remote = 0
         self._forwards = 0
         self._train_forwards = 0
         self._samples = 0
@@ -297,20 +299,46 @@ class FlopMeter:
         else:
             self._rollout += model.forward(layout).total
 
+    def book_remote_rollout(self, trajectory: Any) -> None:
+        """Book the model FLOPs of a rollout another process ran (the vllm-omni worker), from the
+        ``trajectory``'s layout: each of its N steps runs every sample's positive forward and, with
+        CFG, its negative one (same target and references, the negative prompt's tokens). The LoRA's
+        FLOPs count once the worker serves trained weights (``weights_version`` > 0). They go to
+        ``perf/tflops_worker``, not to this process's ``perf/tflops`` (nor its MFU)."""
+        cond = trajectory.conditioning
+        p = self._patch
+        batch = trajectory.final_latents.shape[0]
+        grid = (int(trajectory.final_latents.shape[-2]) // p, int(trajectory.final_latents.shape[-1]) // p)
+        refs_in = cond.ref_latents or (None,) * batch
+        refs = [[] if r is None else [(int(r.shape[-2]) // p, int(r.shape[-1]) // p)] for r in refs_in]
+        model = self._with_lora if trajectory.weights_version > 0 else self._without_lora
+        steps = int(trajectory.sigmas.numel()) - 1
+
+        def forward(lengths: Any, mask: torch.Tensor) -> int:
+            text = list(lengths) if lengths is not None else mask.to(torch.bool).sum(dim=1).tolist()
+            layout = TokenLayout(text_lengths=text, target_grids=[grid] * batch, reference_grids=refs)
+            return model.forward(layout).total
+
+        flops = forward(cond.lengths, cond.attention_mask)
+        if trajectory.guidance_scale != 1.0:
+            flops += forward(cond.negative_lengths, cond.negative_attention_mask)
+        self._remote += steps * flops
+
     # ---- results -------------------------------------------------------------------------------
     def take(self) -> dict[str, float]:
-        """This step's totals since the last take, then reset: ``perf/tflops`` (all),
+        """This step's totals since the last take, then reset: ``perf/tflops`` (all of this process),
         ``perf/tflops_rollout`` (forwards without grad: rollout, reference, evaluation),
-        ``perf/tflops_train`` (training forwards + backward + recompute), ``perf/transformer_calls``
-        and ``perf/sample_forwards``."""
+        ``perf/tflops_train`` (training forwards + backward + recompute), ``perf/tflops_worker``
+        (`book_remote_rollout`), ``perf/transformer_calls`` and ``perf/sample_forwards``."""
         out = {
             "perf/tflops": (self._rollout + self._train) / 1e12,
             "perf/tflops_rollout": self._rollout / 1e12,
             "perf/tflops_train": self._train / 1e12,
+            "perf/tflops_worker": self._remote / 1e12,
             "perf/transformer_calls": float(self._forwards),
             "perf/sample_forwards": float(self._samples),
         }
-        self._rollout = self._train = self._forwards = self._train_forwards = self._samples = 0
+        self._rollout = self._train = self._remote = self._forwards = self._train_forwards = self._samples = 0
         return out
 
     def close(self) -> None:
