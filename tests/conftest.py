@@ -25,9 +25,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Remote-code copies (diffusers/transformers dynamic modules) go to a per-session temp folder, not
 # $HOME, removed when the session ends (subprocesses inherit the variable and share the folder).
-if "HF_MODULES_CACHE" not in os.environ:
+# Each pytest-xdist worker makes its own, so that two workers never write the same copy at once.
+_own_cache = os.environ.get("BOOGU_TESTS_OWN_MODULES_CACHE") == "1"
+if "HF_MODULES_CACHE" not in os.environ or (_own_cache and "PYTEST_XDIST_WORKER" in os.environ):
     _modules_cache = tempfile.mkdtemp(prefix="boogu-hf-modules-")
     os.environ["HF_MODULES_CACHE"] = _modules_cache
+    os.environ["BOOGU_TESTS_OWN_MODULES_CACHE"] = "1"
     atexit.register(shutil.rmtree, _modules_cache, ignore_errors=True)
 
 # Tensor code has no meaningful per-example deadline on a shared 2-core machine.

@@ -56,14 +56,18 @@ def test_gpu_peak_table(name, dtype, expected):
     assert lookup_gpu_peak("Some Future Accelerator") is None
 
 
-def test_cpu_peak_is_measured_once_and_override_wins():
+def test_cpu_peak_is_measured_once_and_override_wins(monkeypatch):
     perf._MEASURED.clear()
     start = time.perf_counter()
     first = peak_tflops(torch.device("cpu"), torch.float32)
-    assert time.perf_counter() - start < 0.5 and first > 0
-    start = time.perf_counter()
-    assert peak_tflops(torch.device("cpu"), torch.float32) == first
-    assert time.perf_counter() - start < 0.01
+    # A 0.3 s budget; the bound is loose because the tests may share the cores (pytest-xdist).
+    assert time.perf_counter() - start < 2.0 and first > 0
+
+    def no_second_measurement(*args, **kwargs):
+        raise AssertionError("the CPU peak was measured again")
+
+    monkeypatch.setattr(perf.torch, "randn", no_second_measurement)
+    assert peak_tflops(torch.device("cpu"), torch.float32) == first  # cached: no matmul, no tensor
     assert peak_tflops(torch.device("cpu"), torch.float32, 123.0) == 123.0
 
 
