@@ -236,3 +236,21 @@ def test_every_example_recipe_loads_with_its_algorithm():
         "ppo_clip",
     )
     assert found["awm_trainer/boogu_image/boogu_image_ocr_lora.yaml"] == ("awm", "ppo_clip")
+
+
+def test_the_ratio_std_is_pooled_over_chunks():
+    """``ratio_std`` of an update is the std over all its ratios, whatever the chunks (here two equal
+    halves with different spreads, each chunk's metrics averaged with share 1/2)."""
+    from boogu_trainer.losses import RATIO_SQ_DEV, pooled_ratio_std, ratio_metrics
+
+    gen = torch.Generator().manual_seed(0)
+    ratio = torch.cat([1 + 1e-3 * torch.randn(8, generator=gen), 1.01 + 3e-3 * torch.randn(8, generator=gen)])
+    halves = [ratio_metrics(r, r.log(), 0.1) for r in ratio.chunk(2)]
+    mean = sum(h["ratio_mean"].double() for h in halves) / 2
+    sq = sum(h[RATIO_SQ_DEV] for h in halves) / 2
+    expected = ratio.double().std(unbiased=False)
+    torch.testing.assert_close(pooled_ratio_std(mean, sq), expected, rtol=1e-5, atol=0)
+    # The mean of the chunks' own stds is smaller: it misses the spread between the chunks.
+    assert sum(h_r.double().std(unbiased=False) for h_r in ratio.chunk(2)) / 2 < 0.5 * expected
+    on_policy = ratio_metrics(torch.ones(4), torch.zeros(4), 0.1)
+    assert pooled_ratio_std(on_policy["ratio_mean"], on_policy[RATIO_SQ_DEV]) == 0

@@ -171,6 +171,11 @@ def test_training_micro_batches_accumulate_to_the_same_update(tiny_checkpoint, t
         torch.testing.assert_close(a1[k], a0[k], rtol=0, atol=1e-6 * max(moved, 1.0))
     assert m0["logprob_diff/step0"] == m1["logprob_diff/step0"] == 0.0
     assert abs(m0["loss"] - m1["loss"]) < 1e-6 + 1e-3 * abs(m0["loss"])
+    # The ratio's statistics are pooled over the update, not averaged over chunks: the second
+    # mini-batch's ratios (after the first optimizer step) spread the same however it is split.
+    assert m0["ratio_std"] > 0
+    assert m1["ratio_std"] == pytest.approx(m0["ratio_std"], rel=1e-3)
+    assert m1["ratio_mean"] == pytest.approx(m0["ratio_mean"], rel=1e-6)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,14 @@ from boogu_adapters.training import TrainingAdapter
 from boogu_trainer.config import TrainerConfig
 from boogu_trainer.distributed import DistEnv, full_tensor, local_tensor
 from boogu_trainer.forward_process import ForwardProcessUpdate, PhaseCounter, nullphase, swapped
-from boogu_trainer.losses import MetricSums, grpo_guard_loss, kl_to_reference, policy_loss
+from boogu_trainer.losses import (
+    RATIO_SQ_DEV,
+    MetricSums,
+    grpo_guard_loss,
+    kl_to_reference,
+    policy_loss,
+    pooled_ratio_std,
+)
 from boogu_trainer.rollout import ScoredBatch
 
 
@@ -290,6 +297,10 @@ class Learner:
                 on_device.append((key, torch.stack([v.double() for v in values]).mean()))
             else:
                 out[key] = sum(values) / len(values)
+        means = dict(on_device)
+        if RATIO_SQ_DEV in means:  # the update's ratio std, pooled (read with the rest, no extra sync)
+            std = pooled_ratio_std(means["ratio_mean"], means[RATIO_SQ_DEV])
+            on_device = [(k, v) for k, v in on_device if k != RATIO_SQ_DEV] + [("ratio_std", std)]
         for k, d in enumerate(logprob_diff):
             if d is None:
                 out[f"logprob_diff/step{k}"] = 0.0

@@ -52,14 +52,27 @@ class MetricSums:
             acc[key].append(value)
 
 
+RATIO_SQ_DEV = "ratio_sq_dev"
+"""Key of ``mean((ratio - 1)^2)`` in the loss metrics: with ``ratio_mean`` it gives the update's ratio
+std pooled over every sample, window step, micro-batch and mini-batch (`pooled_ratio_std`), which a
+mean of per-chunk stds is not (it shrinks with smaller chunks)."""
+
+
+def pooled_ratio_std(ratio_mean: torch.Tensor, sq_dev: torch.Tensor) -> torch.Tensor:
+    """``sqrt(E[(r - 1)^2] - (E[r] - 1)^2)``, the population std of the ratio (0-d, float64)."""
+    mean_dev = ratio_mean.double() - 1
+    return (sq_dev.double() - mean_dev.square()).clamp_min(0).sqrt()
+
+
 def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, clip_range: float) -> dict[str, torch.Tensor]:
-    """Detached 0-d statistics of a clipped ratio: mean, std, clip fractions, and the k3 estimator of
-    KL(old || new) from the raw log-ratio (unbiased, >= 0)."""
+    """Detached 0-d statistics of a clipped ratio: mean, the mean squared deviation from 1 (float64;
+    `pooled_ratio_std` turns the update's means into ``ratio_std``), clip fractions, and the k3
+    estimator of KL(old || new) from the raw log-ratio (unbiased, >= 0)."""
     with torch.no_grad():
         r, lr = ratio.detach(), log_ratio.detach()
         return {
             "ratio_mean": r.mean(),
-            "ratio_std": r.std(unbiased=False) if r.numel() > 1 else r.new_zeros(()),
+            RATIO_SQ_DEV: (r.double() - 1).square().mean(),
             "clipfrac": ((r - 1).abs() > clip_range).float().mean(),
             "clipfrac_upper": (r > 1 + clip_range).float().mean(),
             "clipfrac_lower": (r < 1 - clip_range).float().mean(),
