@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
+from _common import MID_SIZE_OVERRIDES
 
 from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype
 from boogu_adapters.model import (
@@ -49,13 +50,7 @@ from boogu_adapters.model.flops import FlopModel, LoraSpec
 from boogu_adapters.model.layout import TokenLayout
 from boogu_trainer.perf import peak_tflops
 
-MID = {
-    **TINY_CONFIG,
-    "hidden_size": 256,
-    "num_layers": 8,
-    "num_double_stream_layers": 4,
-    "axes_dim_rope": (16, 24, 24),
-}
+MID = {**TINY_CONFIG, **MID_SIZE_OVERRIDES}
 PRESETS = {"released": RELEASED_CONFIG, "mid": MID, "tiny": TINY_CONFIG}
 
 

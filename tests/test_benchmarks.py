@@ -21,6 +21,7 @@ def run_script(name: str, args: list[str], monkeypatch) -> None:
 @pytest.mark.slow
 def test_gpu_path_smoke_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "gpu_path.json"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
     run_script(
         "gpu_path.py",
         [
