@@ -250,7 +250,5 @@ def test_the_ratio_std_is_pooled_over_chunks():
     sq = sum(h[RATIO_SQ_DEV] for h in halves) / 2
     expected = ratio.double().std(unbiased=False)
     torch.testing.assert_close(pooled_ratio_std(mean, sq), expected, rtol=1e-5, atol=0)
-    # The mean of the chunks' own stds is smaller: it misses the spread between the chunks.
-    assert sum(h_r.double().std(unbiased=False) for h_r in ratio.chunk(2)) / 2 < 0.5 * expected
     on_policy = ratio_metrics(torch.ones(4), torch.zeros(4), 0.1)
     assert pooled_ratio_std(on_policy["ratio_mean"], on_policy[RATIO_SQ_DEV]) == 0

@@ -65,6 +65,16 @@ def passed(what: str) -> None:
     print(f"ok  {what}", flush=True)
 
 
+def expect_raises(call, error: type[BaseException], text: str, otherwise: str) -> None:
+    """``call()`` must raise ``error`` with ``text`` in its message; ``otherwise`` says what went wrong."""
+    try:
+        call()
+    except error as exc:
+        assert text in str(exc), f"{otherwise}: the {error.__name__} does not say {text!r}: {exc}"
+    else:
+        raise AssertionError(otherwise)
+
+
 def lora_tensors(checkpoint: Path, seed: int, targets: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """A trained-looking LoRA in the trainer's file keys (``boogu_adapters.lora.lora_file_key``:
     ``<module>.lora_A.weight`` (r, in), ``<module>.lora_B.weight`` (out, r)) for every linear weight of
@@ -139,12 +149,9 @@ def main() -> int:
 
     assert not vllm_modules(), f"importing boogu_vllm.omni_backend imported {vllm_modules()[:5]}"
     assert not torch.cuda.is_available()
-    try:
-        ob.OmniBackend(str(checkpoint))
-    except RuntimeError as exc:
-        assert "CUDA" in str(exc), exc
-    else:
-        raise AssertionError("OmniBackend built without CUDA: expected RuntimeError")
+    expect_raises(
+        lambda: ob.OmniBackend(str(checkpoint)), RuntimeError, "CUDA", "OmniBackend built without CUDA"
+    )
     assert not vllm_modules(), f"OmniBackend's CUDA check imported {vllm_modules()[:5]}"
     passed("the module imports no vllm; OmniBackend raises RuntimeError without CUDA")
 
@@ -277,12 +284,12 @@ def main() -> int:
     bad["single_stream_layers.0.attn.nope.lora_A.weight"] = torch.zeros(RANK, 64)
     bad["single_stream_layers.0.attn.nope.lora_B.weight"] = torch.zeros(64, RANK)
     for backend in (omni, direct):
-        try:
-            backend.load_lora(3, peft_config, bad)
-        except LoraSyncError as exc:
-            assert "nope" in str(exc), f"{backend.name}: the error does not name the key: {exc}"
-        else:
-            raise AssertionError(f"{backend.name}: a key that attaches to nothing was accepted")
+        expect_raises(
+            lambda b=backend: b.load_lora(3, peft_config, bad),
+            LoraSyncError,
+            "nope",
+            f"{backend.name}: a key that attaches to nothing was accepted",
+        )
     assert omni._lora_request is not None and omni._lora_request.lora_int_id == LORA_INT_ID
     meta, after = rollout()
     assert meta["weights_version"] == 2 and meta["lora_fingerprint"] == fingerprint_v2, meta
@@ -317,12 +324,12 @@ def main() -> int:
                 assert reply["ok"] is False and reply["kind"] == "RuntimeError", reply
                 assert "no LoRA manager" in reply["error"] and reply["serving"] is None, reply
                 continue
-            try:
-                call()
-            except RuntimeError as exc:
-                assert "no LoRA manager" in str(exc), exc
-            else:
-                raise AssertionError("a failure on rank 1 returned a reply that collective_rpc drops")
+            expect_raises(
+                call,
+                RuntimeError,
+                "no LoRA manager",
+                "a failure on rank 1 returned a reply that collective_rpc drops",
+            )
     passed("a LoRA failure: rank 0 replies with it, rank 1 raises it (vllm-omni's status gather)")
 
     # ---- the backend after a failure on another rank -------------------------------------------------
@@ -337,20 +344,18 @@ def main() -> int:
         )
 
     engine.collective_rpc = rank_1_fails
-    try:
-        omni.load_lora(6, peft_config, lora_tensors(checkpoint, seed=6, targets=targets))
-    except RuntimeError as exc:
-        assert "rank 1" in str(exc), exc
-    else:
-        raise AssertionError("a load that failed on rank 1 did not raise")
+    v6 = lora_tensors(checkpoint, seed=6, targets=targets)
+    expect_raises(
+        lambda: omni.load_lora(6, peft_config, v6), RuntimeError, "rank 1", "a load that failed on rank 1"
+    )
     engine.collective_rpc = real_rpc
     sent = len(engine.requests)
-    try:
-        omni.generate(spec, images)
-    except RuntimeError as exc:
-        assert "different LoRA weights since load_lora v6 failed on another rank" in str(exc), exc
-    else:
-        raise AssertionError("a rollout ran while the ranks may hold different LoRA weights")
+    expect_raises(
+        lambda: omni.generate(spec, images),
+        RuntimeError,
+        "different LoRA weights since load_lora v6 raised RuntimeError",
+        "a rollout ran while the ranks may hold different LoRA weights",
+    )
     assert len(engine.requests) == sent, "a rollout reached the engine after a failure on rank 1"
     tensors = lora_tensors(checkpoint, seed=7, targets=targets)
     ack = omni.load_lora(7, peft_config, tensors)
@@ -362,24 +367,19 @@ def main() -> int:
 
     # ---- a bad spec, close -------------------------------------------------------------------------------
     sent = len(engine.requests)
-    try:
-        omni.generate({**spec, "protocol": 99}, images)
-    except ProtocolError:
-        pass
-    else:
-        raise AssertionError("a spec with protocol 99 was accepted")
+    expect_raises(
+        lambda: omni.generate({**spec, "protocol": 99}, images),
+        ProtocolError,
+        "",
+        "a spec with protocol 99 was accepted",
+    )
     assert len(engine.requests) == sent, "a bad spec reached the engine"
     passed("a bad spec raises ProtocolError before the engine")
 
     omni.close()
     omni.close()
     assert engine.closed == 1, engine.closed
-    try:
-        omni.generate(spec, images)
-    except RuntimeError as exc:
-        assert "closed" in str(exc), exc
-    else:
-        raise AssertionError("generate after close did not raise")
+    expect_raises(lambda: omni.generate(spec, images), RuntimeError, "closed", "generate after close")
     passed("close is idempotent; a closed backend refuses requests")
 
     print(f"{SUMMARY}: {len(_checks)} checks passed in {time.perf_counter() - start:.1f} s", flush=True)

@@ -267,8 +267,9 @@ class OmniBackend:
         self._engine: Any = None
         self._lora_request: Any = None
         self._unsynced: str | None = None
-        """Set when a LoRA call raised out of ``collective_rpc`` (a rank other than 0 failed): the ranks
-        may now hold different adapters, so `generate` refuses until a load or clear succeeds."""
+        """Set when a LoRA call raised out of ``collective_rpc`` (a rank other than 0 failed, or the
+        RPC did): the ranks may now hold different adapters, so `generate` refuses until a load or
+        clear succeeds."""
         self.last_stats: dict[str, float] = {}
         """``wall_s`` and ``peak_memory_mb`` of the last `generate`."""
         if devices is not None:
@@ -377,8 +378,8 @@ class OmniBackend:
         until a load or clear succeeds on every rank."""
         try:
             reply = self._rpc(method, **kwargs)
-        except Exception:
-            self._unsynced = f"{what} failed on another rank"
+        except Exception as exc:  # not rank 0's reply: another rank failed, or the RPC itself
+            self._unsynced = f"{what} raised {type(exc).__name__}"
             raise
         if reply["ok"]:
             self._unsynced = None
