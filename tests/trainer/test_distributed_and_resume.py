@@ -202,3 +202,74 @@ def test_a_stalled_rank_stops_the_job_with_an_error_naming_the_collective(tiny_c
     assert time.monotonic() - t0 < 180
     text = result.stdout + result.stderr
     assert "did not complete within distributed.timeout_s=20" in text and "step 2" in text, text[-3000:]
+
+
+def _mixed_dataset(folder: Path) -> list[str]:
+    """Two edit rows (a 32x32 reference each) then two T2I rows: without shuffling, rank 0 of a
+    2-rank, 4-prompt step gets the edit rows and rank 1 the T2I ones."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from boogu_data import PromptRecord
+    from boogu_data.write import write_records
+
+    def png(value: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((32, 32, 3), value, dtype=np.uint8)).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    edit = [
+        PromptRecord(
+            instruction=f'Write "EDIT {i}" on the sign',
+            ground_truth=f"EDIT {i}",
+            ref_image=png(60 * i),
+            index=i,
+        )
+        for i in range(2)
+    ]
+    t2i = [
+        PromptRecord(instruction=f'A sign that says "T2I {i}"', ground_truth=f"T2I {i}", index=i)
+        for i in range(2)
+    ]
+    write_records(edit, folder / "edit.parquet", kind="edit")
+    write_records(t2i, folder / "t2i.parquet", kind="t2i")
+    return [str(folder / "edit.parquet"), str(folder / "t2i.parquet")]
+
+
+@pytest.mark.slow
+def test_ranks_with_edit_and_t2i_rows_issue_the_same_collectives(tiny_checkpoint, tmp_path):
+    """Rank 0 trains on edit rows, rank 1 on T2I rows, in bf16, with micro-batches of unequal sizes
+    (3 + 1 rows): both ranks must issue the same collectives - FSDP2's all-gathers and reduce-scatters
+    of every unit and the trainer's own - in the same order with the same shapes and dtypes, or NCCL
+    would hang. Recorded by the trainer command itself (BOOGU_RECORD_COLLECTIVES)."""
+    files = _mixed_dataset(tmp_path / "data")
+    args = overrides(
+        tiny_checkpoint,
+        tmp_path / "runs",
+        "total_steps=1",
+        "checkpoint.save_every=0",
+        f"data.train_files=[{','.join(files)}]",
+        "data.shuffle=false",
+        "model.dtype=bfloat16",
+        "algorithm.train_micro_batch_size=3",
+    )
+    record = tmp_path / "collectives"
+    result = subprocess.run(
+        torchrun(*args),
+        env={**env(), "BOOGU_RECORD_COLLECTIVES": str(record)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    metrics = json.loads((tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["edit_samples"] == 4 and metrics["samples"] == 8, metrics  # a mixed step indeed
+    rank0, rank1 = (json.loads((record / f"rank{k}.json").read_text()) for k in (0, 1))
+    assert len(rank0) > 20
+    assert any("bfloat16" in c["dtypes"] for c in rank0)  # FSDP2 gathers the bf16 base weights
+    ops = {c["op"] for c in rank0 if (c["block"] or "").startswith("update")}
+    assert any("reduce_scatter" in op for op in ops), ops  # and reduces the gradients
+    for i, (a, b) in enumerate(zip(rank0, rank1, strict=True)):
+        assert (a["op"], a["shapes"], a["dtypes"]) == (b["op"], b["shapes"], b["dtypes"]), (i, a, b)

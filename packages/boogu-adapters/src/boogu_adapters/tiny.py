@@ -55,6 +55,7 @@ from boogu_adapters import __version__
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
 from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
 from boogu_data.atomic import commit_folder, recover_folder, remove_stale, stage_folder
+from boogu_schedule import make_generator
 
 __all__ = [
     "BUILDER_VERSION",
@@ -390,7 +391,7 @@ def _write_vae(folder: Path, *, seed: int) -> None:
             scaling_factor=0.3611,
             shift_factor=0.1159,
         )
-    _init_smooth_decoder(vae.decoder, torch.Generator().manual_seed(seed))
+    _init_smooth_decoder(vae.decoder, make_generator(seed))
     vae.save_pretrained(folder, safe_serialization=True)
 
 
@@ -429,11 +430,15 @@ def _init_smooth_decoder(decoder: torch.nn.Module, generator: torch.Generator) -
                 continue
             if isinstance(module, torch.nn.Conv2d) and module.kernel_size == (3, 3):
                 out_channels, in_channels = module.weight.shape[:2]
-                mix = torch.randn(out_channels, in_channels, generator=generator) / math.sqrt(in_channels)
+                mix = torch.randn(out_channels, in_channels, generator=generator, device="cpu") / math.sqrt(
+                    in_channels
+                )
                 module.weight.copy_(mix[:, :, None, None] * window)
             elif isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
                 fan_in = module.weight[0].numel()
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / math.sqrt(fan_in))
+                module.weight.copy_(
+                    torch.randn(module.weight.shape, generator=generator, device="cpu") / math.sqrt(fan_in)
+                )
             else:
                 continue
             if module.bias is not None:
@@ -442,8 +447,8 @@ def _init_smooth_decoder(decoder: torch.nn.Module, generator: torch.Generator) -
             if name.endswith(".conv2") or name.endswith(".to_out.0"):
                 module.weight.mul_(0.1)
         out_channels, in_channels = conv_out.weight.shape[:2]
-        shared = torch.randn(1, in_channels, generator=generator)
-        own = torch.randn(out_channels, in_channels, generator=generator)
+        shared = torch.randn(1, in_channels, generator=generator, device="cpu")
+        own = torch.randn(out_channels, in_channels, generator=generator, device="cpu")
         mix = (shared + own) / math.sqrt(2 * in_channels)
         conv_out.weight.copy_(mix[:, :, None, None] * window)
         conv_out.bias.zero_()

@@ -31,7 +31,7 @@ from boogu_schedule.sde import (
     gaussian_kl,
     sde_step,
 )
-from boogu_schedule.seeding import derive_seed
+from boogu_schedule.seeding import derive_seed, generator_factory, make_generator
 from boogu_schedule.window import (
     SdeWindow,
     WindowKind,
@@ -66,7 +66,9 @@ __all__ = [
     "forward_noise",
     "full_window",
     "gaussian_kl",
+    "generator_factory",
     "image_guidance",
+    "make_generator",
     "plan_windows",
     "predict_x0",
     "progressive_window",

@@ -29,7 +29,7 @@ import torch
 
 from boogu_schedule.schedule import to_sde_velocity
 from boogu_schedule.sde import Sampler, sde_step
-from boogu_schedule.seeding import derive_seed
+from boogu_schedule.seeding import derive_seed, make_generator
 from boogu_schedule.window import SdeWindow, WindowPlan, WindowScope
 
 __all__ = [
@@ -87,7 +87,7 @@ def group_generators(
     """
 
     def make(key: int) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(derive_seed(seed, key))
+        return make_generator(derive_seed(seed, key), device)
 
     return [make(group_offset + g) for g in range(num_groups)], make(-1)
 
@@ -97,7 +97,7 @@ def reference_generator(group_gen: torch.Generator) -> torch.Generator:
     drawn from the group's own generator, so the same request gives the same reference latents on
     any device and in any engine."""
     seed = int(torch.randint(0, 2**62, (1,), generator=group_gen, device=group_gen.device).item())
-    return torch.Generator().manual_seed(seed)
+    return make_generator(seed, "cpu")
 
 
 def draw_windows(

@@ -9,9 +9,13 @@ is what lets a second engine reproduce the first one's noise exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Callable, Iterator
 
-__all__ = ["derive_seed"]
+import torch
+
+__all__ = ["GeneratorFactory", "derive_seed", "generator_factory", "make_generator"]
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -39,3 +43,37 @@ def derive_seed(seed: int, *keys: int | str) -> int:
     for key in keys:
         out = _mix(out, _key_int(key))
     return out
+
+
+GeneratorFactory = Callable[[torch.device], torch.Generator]
+"""Makes an unseeded generator for a device (the seam a fake-CUDA dry run replaces)."""
+
+
+def _torch_generator(device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device)
+
+
+_factory: GeneratorFactory = _torch_generator
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``: the one place the packages make one.
+
+    A CUDA generator cannot be made without a driver, so a dry run on fake CUDA tensors swaps the
+    factory (:func:`generator_factory`) for one that records the device each generator was asked
+    for, and checks every random op against it. Random ops given a generator must also be given
+    ``device=generator.device``: without it ``torch.randint`` makes a CPU tensor, which a CUDA
+    generator refuses.
+    """
+    return _factory(torch.device(device)).manual_seed(seed)
+
+
+@contextlib.contextmanager
+def generator_factory(factory: GeneratorFactory) -> Iterator[None]:
+    """Inside the block :func:`make_generator` makes its generators with ``factory``."""
+    global _factory
+    previous, _factory = _factory, factory
+    try:
+        yield
+    finally:
+        _factory = previous

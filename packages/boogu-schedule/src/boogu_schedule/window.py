@@ -143,9 +143,13 @@ def random_window(
     noise_level: float,
     generator: torch.Generator,
 ) -> SdeWindow:
-    """A uniformly drawn window inside ``window_range`` (one ``torch.randint`` from ``generator``)."""
+    """A uniformly drawn window inside ``window_range`` (one ``torch.randint`` from ``generator``).
+
+    The draw happens on the generator's device (a CUDA generator refuses to fill a CPU tensor) and
+    is read back once: a host read per window, before any denoising step."""
     lo, hi = _check_range(num_steps, size, window_range)
-    start = int(torch.randint(lo, hi - size + 1, (1,), generator=generator).item())
+    draw = torch.randint(lo, hi - size + 1, (1,), generator=generator, device=generator.device)
+    start = int(draw.item())
     return SdeWindow(start, start + size, noise_level)
 
 

@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
         return 0
+    if not ns.plan and (ns.gpu_memory is not None or ns.world_size is not None):
+        print("trainer: --gpu-memory and --world-size only apply with --plan", file=sys.stderr)
+        return 2
     if ns.plan:
         from boogu_trainer.plan import plan_memory
 
@@ -135,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
 def preflight_only(config: TrainerConfig) -> int:
     """``--preflight``: build the trainer (no run folder is written), run the checks, print the report."""
     from boogu_trainer.distributed import DistEnv
-    from boogu_trainer.loop import Trainer, resolve_device
+    from boogu_trainer.loop import Trainer
     from boogu_trainer.preflight import PreflightError, run_preflight
 
     _quiet_libraries()
-    device = resolve_device(config.model.device)
-    dist = DistEnv.from_environment(config.distributed.backend, device.type, config.distributed.timeout_s)
+    dist = DistEnv.from_environment(
+        config.distributed.backend, config.model.device, config.distributed.timeout_s
+    )
     trainer = None
     try:
         # A launched rollout worker logs to a temporary folder: --preflight writes no run folder.
@@ -164,14 +168,15 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     """Train with ``config`` (under torchrun: this rank's part); returns the process exit code."""
     from boogu_adapters.vllm_engine import RolloutWorkerError
     from boogu_trainer.checkpoint import CheckpointError
-    from boogu_trainer.distributed import CollectiveTimeout, DistEnv
-    from boogu_trainer.loop import Trainer, TrainingStopped, resolve_device
+    from boogu_trainer.distributed import RECORD_ENV, CollectiveTimeout, DistEnv, record_collectives
+    from boogu_trainer.loop import Trainer, TrainingStopped
     from boogu_trainer.metrics import reward_verdict, summarize_rewards
     from boogu_trainer.preflight import PreflightError, preflight_due, run_preflight
 
     _quiet_libraries()
-    device = resolve_device(config.model.device)
-    dist = DistEnv.from_environment(config.distributed.backend, device.type, config.distributed.timeout_s)
+    dist = DistEnv.from_environment(
+        config.distributed.backend, config.model.device, config.distributed.timeout_s
+    )
     main_rank = dist.is_main
     bar = None
     trainer = None
@@ -216,7 +221,8 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
                     reward=f"{record['reward/mean']:.4f}", s_per_step=f"{record['time/step']:.1f}"
                 )
 
-        history = trainer.train(progress)
+        with record_collectives(os.environ.get(RECORD_ENV), dist.rank):
+            history = trainer.train(progress)
     except TrainingStopped as e:
         print(f"trainer: stopped: {e}", file=sys.stderr)
         return 3

@@ -237,7 +237,12 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         _check(self.startup_timeout_s > 0, "rollout.vllm.startup_timeout_s", self.startup_timeout_s, "> 0")
-        _check(self.request_timeout_s > 0, "rollout.vllm.request_timeout_s", self.request_timeout_s, "> 0")
+        _check(
+            0 < self.request_timeout_s < math.inf,
+            "rollout.vllm.request_timeout_s",
+            self.request_timeout_s,
+            "a finite number > 0 (seconds)",
+        )
         if self.url is not None:
             for url in self.url.split(","):
                 _check(

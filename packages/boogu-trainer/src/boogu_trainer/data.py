@@ -11,7 +11,7 @@ import torch
 
 from boogu_data import PromptRecord, dataset_files, read_records
 from boogu_data.convert import first_quoted_span
-from boogu_schedule import derive_seed
+from boogu_schedule import derive_seed, make_generator
 
 
 def demo_records(limit: int = 32) -> list[PromptRecord]:
@@ -124,8 +124,8 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.records)))
-        g = torch.Generator().manual_seed(derive_seed(self.seed, "data", epoch))
-        return torch.randperm(len(self.records), generator=g).tolist()
+        g = make_generator(derive_seed(self.seed, "data", epoch))
+        return torch.randperm(len(self.records), generator=g, device="cpu").tolist()
 
     def next_batch(self) -> list[PromptRecord]:
         if self.cursor + self.batch_size > len(self._order):

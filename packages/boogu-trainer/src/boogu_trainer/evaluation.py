@@ -128,6 +128,8 @@ class Evaluator:
         slots = self.dist.padded_share(len(self.records))
         records = [self.records[0 if i is None else i] for i in slots]
         s = self.config.sampler
+        # Prompt i draws its noise from stream (seed, i) on any rank and any number of ranks: this
+        # rank's slots are the contiguous block starting at slots[0] (fillers after the last prompt).
         request = deterministic_request(
             records,
             num_steps=self.config.eval.num_steps,
@@ -135,6 +137,7 @@ class Evaluator:
             height=s.height,
             width=s.width,
             seed=self.config.seed,
+            group_offset=self.dist.rank * len(slots),
         )
         with self.dist.collective("evaluation"):
             traj = self.engine.generate(request)
@@ -143,11 +146,12 @@ class Evaluator:
         gold = self.gold_rewards(traj.images, records, micro_batch_size=mb) if self.separate_gold else train
         # Gathered like the training rewards (equal shapes on every rank: the slots are padded).
         slot = self.dist.all_gather_cat(
-            torch.tensor([-1 if i is None else i for i in slots]), "gather evaluation slots"
+            torch.tensor([-1 if i is None else i for i in slots], device=self.dist.device),
+            "gather evaluation slots",
         )
         columns = {"__gold__": gold.total, "__reward__": train.total, **train.per_reward, **gold.per_reward}
         values = {
-            k: self.dist.all_gather_cat(v.float().cpu(), f"gather evaluation {k!r}").tolist()
+            k: self.dist.all_gather_cat(v.float(), f"gather evaluation {k!r}").tolist()
             for k, v in columns.items()
         }
         images_all = None

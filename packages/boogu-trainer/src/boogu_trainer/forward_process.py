@@ -35,7 +35,7 @@ import torch
 from boogu_adapters.lora import adapters_disabled
 from boogu_adapters.step import boogu_velocity
 from boogu_adapters.types import Conditioning
-from boogu_schedule import derive_seed, flow_target, forward_noise, sample_sigmas
+from boogu_schedule import derive_seed, flow_target, forward_noise, make_generator, sample_sigmas
 from boogu_trainer.losses import MetricSums, awm_log_prob, awm_loss, nft_loss, velocity_kl
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class LevelPlan:
         self.stream = [i // n if opts.group_noise else i for i in self.global_index]
         rows = []
         for index in self.stream:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, self.prefix + "levels", step, index))
+            gen = make_generator(derive_seed(self.seed, self.prefix + "levels", step, index))
             rows.append(sample_sigmas(1, num, gen, schedule=schedule, sigma_range=tuple(opts.sigma_range))[0])
         self.sigmas_host = torch.stack(rows) if rows else torch.zeros(0, num)
         self.sigmas = self.sigmas_host.to(self.device, non_blocking=True)  # (B, T) float32
@@ -77,8 +77,8 @@ class LevelPlan:
         for r in rows:
             index = self.stream[r]
             if index not in drawn:
-                gen = torch.Generator(device=self.device).manual_seed(
-                    derive_seed(self.seed, self.prefix + "noise", self.step, index, j)
+                gen = make_generator(
+                    derive_seed(self.seed, self.prefix + "noise", self.step, index, j), self.device
                 )
                 drawn[index] = torch.randn(self.shape, generator=gen, device=self.device, dtype=torch.float32)
         return torch.stack([drawn[self.stream[r]] for r in rows])

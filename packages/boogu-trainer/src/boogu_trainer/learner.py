@@ -32,7 +32,13 @@ import torch
 from boogu_adapters.lora import adapter_config, is_lora_param, lora_file_key, lora_state_dict
 from boogu_adapters.training import TrainingAdapter
 from boogu_trainer.config import TrainerConfig
-from boogu_trainer.distributed import DistEnv, full_tensor, local_tensor
+from boogu_trainer.distributed import (
+    DistEnv,
+    full_optimizer_state,
+    full_tensor,
+    load_full_state,
+    local_tensor,
+)
 from boogu_trainer.forward_process import ForwardProcessUpdate, PhaseCounter, nullphase, swapped
 from boogu_trainer.losses import (
     RATIO_SQ_DEV,
@@ -144,7 +150,7 @@ class Learner:
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip))
         # The one read before the step: were the losses and the gradients finite?
         bad, norm = torch.stack([bad_loss.float(), grad_norm.float().reshape(())]).tolist()
-        if self.dist.any(bad > 0, self.device, "agree on a non-finite loss"):
+        if self.dist.any(bad > 0, "agree on a non-finite loss"):
             self.optimizer.zero_grad(set_to_none=True)
             return "skipped"
         acc["grad_norm"].append(norm)
@@ -187,7 +193,10 @@ class Learner:
         for epoch in range(a.inner_epochs):
             for mb in range(num_mb):
                 local_groups = (global_group % num_mb == mb).nonzero().flatten().tolist()
-                rows = torch.tensor([g * n + j for g in local_groups for j in range(n)], dtype=torch.long)
+                # Host indices (read once above): the mini-batch's rows stay on the CPU.
+                rows = torch.tensor(
+                    [g * n + j for g in local_groups for j in range(n)], dtype=torch.long, device="cpu"
+                )
                 total_rows = rows.numel()
                 if not self.dist.enabled and a.kl_coef == 0:
                     # No policy gradient where A = 0: skip the compute (a single process only; under
@@ -329,7 +338,7 @@ class Learner:
         """All LoRA values finite on every rank: one fused norm over the local shards, one all-reduce."""
         norms = torch._foreach_norm([local_tensor(p.detach()) for p in self.params])
         bad = not bool(torch.isfinite(torch.stack(norms).sum()))  # host sync, once per optimizer step
-        return not self.dist.any(bad, self.device, "check the LoRA for non-finite values")
+        return not self.dist.any(bad, "check the LoRA for non-finite values")
 
     # ---- weights and state ----------------------------------------------------------------------------
     def full_lora(self) -> dict[str, torch.Tensor]:
@@ -355,13 +364,7 @@ class Learner:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW state keyed by parameter name (full tensors, also under FSDP2) plus hyper-parameters."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        sd = get_optimizer_state_dict(
-            self.transformer,
-            self.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=False),
-        )
+        sd = full_optimizer_state(self.transformer, self.optimizer)
         tensors: dict[str, torch.Tensor] = {}
         for name, state in sd["state"].items():
             for key, value in state.items():
@@ -383,12 +386,6 @@ class Learner:
     ) -> None:
         """Put a checkpoint's LoRA (float32), AdamW state, EMA, NFT old policy and counters back (also
         into FSDP2 shards)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         if optimizer_meta["names"] != self.param_names:
             raise ValueError(
                 "the checkpoint's optimizer was built for different LoRA parameters than this model's"
@@ -400,7 +397,6 @@ class Learner:
             raise ValueError(
                 f"checkpoint LoRA keys do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
-        opts = StateDictOptions(full_state_dict=True, strict=False)
         if self.old is not None:
             if old is None:
                 raise ValueError(
@@ -410,13 +406,13 @@ class Learner:
                 raise ValueError("the checkpoint's old policy has other LoRA keys than its LoRA")
             # Through the module, so the values land in this rank's shards like the LoRA's own.
             old_sd = {by_file_key[k]: v.to(device=self.device, dtype=torch.float32) for k, v in old.items()}
-            set_model_state_dict(self.transformer, old_sd, options=opts)
+            load_full_state(self.transformer, old_sd)
             with torch.no_grad():
                 torch._foreach_copy_(
                     [local_tensor(o) for o in self.old], [local_tensor(p.detach()) for p in self.params]
                 )
         model_sd = {by_file_key[k]: v.to(device=self.device, dtype=torch.float32) for k, v in lora.items()}
-        set_model_state_dict(self.transformer, model_sd, options=opts)
+        load_full_state(self.transformer, model_sd)
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in optimizer_tensors.items():
             name, field = key.rsplit("::", 1)
@@ -425,9 +421,7 @@ class Learner:
             {**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g)
             for g in optimizer_meta["param_groups"]
         ]
-        set_optimizer_state_dict(
-            self.transformer, self.optimizer, {"state": state, "param_groups": groups}, options=opts
-        )
+        load_full_state(self.transformer, {}, self.optimizer, {"state": state, "param_groups": groups})
         # Loading first initialises a state for every parameter (a zero-gradient step); a parameter
         # that had never received a gradient (e.g. the reference-image refiner in a T2I run) must stay
         # without one, or its first real update would use a different Adam step count.

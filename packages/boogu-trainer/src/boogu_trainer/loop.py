@@ -74,15 +74,6 @@ class StepResult:
     batch: ScoredBatch
 
 
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={spec!r} but CUDA is not available on this machine")
-    return device
-
-
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     """``model.dtype`` on ``device``: 'auto' is bfloat16 on CUDA and float32 elsewhere."""
     return DTYPES[resolved_model_dtype(spec, device.type)]
@@ -131,17 +122,24 @@ class Trainer:
         parts: BooguParts | None = None,
         worker_log_dir: Path | None = None,
     ):
-        self.device = resolve_device(config.model.device)
+        self.dist = dist or DistEnv.single(config.model.device, config.distributed.timeout_s)
+        self.device = self.dist.device
+        """This rank's device (``DistEnv`` owns it: ``cuda:LOCAL_RANK`` under torchrun)."""
+        if self.dist.enabled and not config.distributed.fsdp:
+            raise ConfigError(
+                f"distributed.fsdp=false on {self.dist.world_size} ranks: without FSDP2 nothing averages "
+                "the gradients over the ranks, so each rank would train its own LoRA and only rank 0's would "
+                "be saved. Use distributed.fsdp=true (the default), or run on one rank"
+            )
         enable_tf32(config, self.device)
-        self.dist = dist or DistEnv(timeout_s=config.distributed.timeout_s)
         self.config, self.run_note = ckpt.resolve_run_folder(config, self.dist)
         config = self.config
         self.run_dir = config.run_path
         torch.manual_seed(config.seed)
         self.parts = parts if parts is not None else self._load_parts()
         self.transformer = self._prepare_transformer(self.parts.transformer)
-        if self.dist.enabled and config.distributed.fsdp:
-            shard_transformer(self.transformer, self.device.type)
+        if self.dist.enabled:
+            shard_transformer(self.transformer, self.dist)
         self.local_engine = build_local_engine(
             self.parts,
             transformer=self.transformer,
@@ -411,7 +409,7 @@ class Trainer:
         # This rank's model TFLOP of the step (totals, not rates), with its worker's rollout.
         step_tflops = perf.get("perf/tflops", 0.0) + perf.get("perf/tflops_worker", 0.0)
         local = torch.tensor([fe["total"], fe["backward"], step_tflops, images], dtype=torch.float64)
-        total = self.dist.all_reduce_sum(local.to(self.device), "compute totals").cpu().tolist()
+        total = self.dist.all_reduce_sum(local, "compute totals").tolist()  # one host read per step
         for key, value in zip(("fe", "backward", "tflops", "images"), total):
             self.totals[key] += value
         self.totals["time_s"] += seconds

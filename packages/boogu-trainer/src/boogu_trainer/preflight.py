@@ -45,6 +45,7 @@ from boogu_schedule import WindowPlan, derive_seed
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.distributed import local_tensor
 from boogu_trainer.evaluation import deterministic_request
+from boogu_trainer.perf import unwrap_transformer
 
 if TYPE_CHECKING:
     from boogu_trainer.loop import Trainer
@@ -290,9 +291,9 @@ def check_reward_spread(trainer: Trainer, traj: Trajectory, records: list, n: in
         [r for r in records for _ in range(n)],
         micro_batch_size=trainer.config.rollout.micro_batch_size,
     )
-    total = dist.all_gather_cat(scores.total.float().cpu(), "preflight: gather rewards")
+    total = dist.all_gather_cat(scores.total.float(), "preflight: gather rewards").cpu()
     per = {
-        k: dist.all_gather_cat(v.float().cpu(), f"preflight: gather reward {k!r}")
+        k: dist.all_gather_cat(v.float(), f"preflight: gather reward {k!r}").cpu()
         for k, v in scores.per_reward.items()
     }
 
@@ -349,10 +350,13 @@ def check_ratio_and_gradients(trainer: Trainer, traj: Trajectory) -> tuple[Check
     layers = [(n, m) for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
     ran = torch.zeros(len(layers), dtype=torch.float64)
     hooks = []
+    root = unwrap_transformer(transformer)
     for i, (_, m) in enumerate(layers):
 
         def hook(module, args, output, i=i):
-            ran[i] = 1.0
+            # The reference stage's placeholder pass under FSDP (zero gradients by design) is not a run.
+            if not getattr(root, "placeholder_running", False):
+                ran[i] = 1.0
 
         hooks.append(m.register_forward_hook(hook))
     lora_params = [
@@ -384,8 +388,8 @@ def check_ratio_and_gradients(trainer: Trainer, traj: Trajectory) -> tuple[Check
             for ps in lora_params
         ]
     )
-    host = torch.cat([norms.cpu(), ran, torch.stack([diff, scale]).cpu()])
-    host = dist.all_reduce_sum(host.to(device), "preflight: gradient and ratio check").cpu()
+    both = torch.cat([norms, ran.to(device), torch.stack([diff, scale])])
+    host = dist.all_reduce_sum(both, "preflight: gradient and ratio check").cpu()
     norms_h, ran_h = host[: len(layers)], host[len(layers) : 2 * len(layers)]
     diff_h = float(host[-2])  # the sum over ranks: a bound on the largest
     scale_h = float(host[-1])
@@ -486,8 +490,10 @@ def check_weight_sync(trainer: Trainer, records: list) -> CheckResult:
     changed = float((after - before).abs().max())
     back = float((restored - before).abs().max())
     back_tol = 1e-3 * max(1.0, float(before.abs().max())) if cuda else 0.0
-    flags = torch.tensor([recorded != v0 + 1, changed == 0, back > back_tol], dtype=torch.float64)
-    flags = dist.all_reduce_sum(flags.to(trainer.device), "preflight: sync check").cpu()
+    flags = torch.tensor(
+        [recorded != v0 + 1, changed == 0, back > back_tol], dtype=torch.float64, device=trainer.device
+    )
+    flags = dist.all_reduce_sum(flags, "preflight: sync check").cpu()
     numbers = {
         "engine": type(engine).__name__,
         "needs_lora_state": engine.needs_lora_state,

@@ -99,7 +99,7 @@ class RolloutScorer:
             k: self.dist.all_gather_cat(v.float(), f"gather reward {k!r}")
             for k, v in scores.per_reward.items()
         }
-        group_id = self.dist.all_gather_cat(traj.group_id.cpu(), "gather group ids")
+        group_id = self.dist.all_gather_cat(traj.group_id, "gather group ids")
         a = self.config.algorithm
         adv = compute_advantages(
             per_reward,
@@ -121,13 +121,14 @@ class RolloutScorer:
                 len(records),
             ],
             dtype=torch.float64,
+            device=self.dist.device,
         )
-        counts = self.dist.all_reduce_sum(counts, "sum encoder counters")
+        counts = self.dist.all_reduce_sum(counts, "sum encoder counters").tolist()  # one host read
         metrics = reward_metrics({"reward": adv.rewards, **per_reward}, group_id=group_id)
         metrics.update(adv.stats())
         metrics.update(
             {
-                "prompt_encodings_per_prompt": float(counts[0] / counts[3]),
+                "prompt_encodings_per_prompt": counts[0] / counts[3],
                 "negative_encodings": int(counts[1]),
                 "edit_samples": int(counts[2]),
                 "samples": int(counts[3]) * n,

@@ -191,8 +191,9 @@ def sample(
 
     from boogu_adapters.components import build_local_engine
     from boogu_data import PromptRecord
+    from boogu_trainer.distributed import resolve_device
     from boogu_trainer.evaluation import deterministic_request
-    from boogu_trainer.loop import load_base_parts, resolve_device
+    from boogu_trainer.loop import load_base_parts
 
     config = run_config(folder, device)
     trained = None if lora == "none" else read_lora(folder, lora)

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from boogu_schedule import make_generator
+
 from .layers import QKRMSNorm, RMSNorm
 
 __all__ = ["LORA_TARGET_MODULES", "RELEASED_CONFIG", "TINY_CONFIG", "randomize_parameters"]
@@ -111,7 +113,7 @@ def randomize_parameters(
         std: standard deviation of the noise.
     """
     if isinstance(generator, int):
-        generator = torch.Generator().manual_seed(generator)
+        generator = make_generator(generator)
     norm_weights = {
         id(module.weight)
         for module in model.modules()
@@ -121,7 +123,7 @@ def randomize_parameters(
         for name, param in model.named_parameters():
             if param.is_meta:
                 raise ValueError(f"cannot randomise meta parameter {name}; materialise the model first")
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32, device="cpu") * std
             if id(param) in norm_weights:
                 noise += 1.0
             param.copy_(noise)

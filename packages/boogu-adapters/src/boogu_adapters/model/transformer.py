@@ -246,6 +246,16 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self._compiled_stages: frozenset[str] = frozenset()
         self.last_layout: TokenLayout | None = None
         """Host-side layout of the most recent forward (segment sizes; for FLOP accounting)."""
+        self.pad_reference_stage = False
+        """Run the reference stage on a one-token placeholder when a batch has no reference image.
+
+        Under FSDP2 every reference-refiner block is a unit whose forward all-gathers and whose
+        backward reduce-scatters; a rank with edit rows and a rank without would issue different
+        collectives and hang. With this on (``shard_transformer`` sets it), every forward runs the
+        reference stage, and the placeholder's output joins the target as ``0 * sum(out)``: the
+        velocity is unchanged and every reference parameter gets a (zero) gradient on every rank."""
+        self.placeholder_running = False
+        """True while the placeholder reference stage runs (hooks that watch which modules ran skip it)."""
 
     def _reset_top_level_parameters(self) -> None:
         """Upstream's init of the non-block parameters (§2.5); blocks initialise themselves.
@@ -655,6 +665,8 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
         # 6'. References: one row per image across the batch, each refined alone (§5.2 step 6).
         refined_refs = self._embed_and_refine_references(references, layout, rotary["references"], temb)
+        if self.pad_reference_stage and not any(references):
+            target = target + self._placeholder_reference_stage(temb, rotary["target"], target.dtype)
 
         # Image stream per sample: [ref_1 ... ref_K ; target], valid tokens only.
         image_rows = []
@@ -725,6 +737,24 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         for row, owner in enumerate(owners):
             result[owner].append(hidden[row, : lengths[row]])
         return result
+
+    def _placeholder_reference_stage(
+        self, temb: torch.Tensor, target_rotary: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A scalar zero computed through the whole reference stage (see ``pad_reference_stage``):
+        one all-zero patch through ``ref_image_patch_embedder``, slot 0's index embedding and every
+        reference-refiner block, with the first target token's rotary and the first sample's temb."""
+        p = self.config.patch_size
+        tokens = temb.new_zeros(1, 1, p * p * self.config.in_channels, dtype=dtype)
+        plan = AttentionPlan([1], 1, tokens.device)
+        self.placeholder_running = True
+        try:
+            hidden = self.ref_image_patch_embedder(tokens) + self.image_index_embedding[:1, None, :]
+            for block in self.ref_image_refiner:  # one token: no gradient checkpointing
+                hidden = block(hidden, plan, target_rotary[:1, :1], temb[:1])
+        finally:
+            self.placeholder_running = False
+        return hidden.sum() * 0
 
 
 def count_parameters(module: nn.Module) -> int:

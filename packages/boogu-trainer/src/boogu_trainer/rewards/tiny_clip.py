@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from boogu_data.atomic import atomic_file, commit_folder, recover_folder, remove_stale, stage_folder
+from boogu_schedule import make_generator
 
 __all__ = [
     "BUILDER_VERSION",
@@ -139,12 +140,16 @@ def write_tiny_aesthetic_head(
     dims = [int(input_dim), *(int(h) for h in hidden), 1]
     if len(dims) != 6:
         raise ValueError(f"tiny aesthetic head: hidden must have 4 widths, got {tuple(hidden)}")
-    generator = torch.Generator().manual_seed(seed)
+    generator = make_generator(seed)
     state: dict[str, torch.Tensor] = {}
     for index, (fan_in, fan_out) in zip((0, 2, 4, 6, 7), itertools.pairwise(dims), strict=True):
         bound = 1.0 / fan_in**0.5  # nn.Linear's default init range
-        state[f"layers.{index}.weight"] = (torch.rand(fan_out, fan_in, generator=generator) * 2 - 1) * bound
-        state[f"layers.{index}.bias"] = (torch.rand(fan_out, generator=generator) * 2 - 1) * bound
+        state[f"layers.{index}.weight"] = (
+            torch.rand(fan_out, fan_in, generator=generator, device="cpu") * 2 - 1
+        ) * bound
+        state[f"layers.{index}.bias"] = (
+            torch.rand(fan_out, generator=generator, device="cpu") * 2 - 1
+        ) * bound
     file.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(file) as temporary:
         if file.suffix == ".safetensors":

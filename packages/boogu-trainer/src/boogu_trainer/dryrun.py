@@ -1,0 +1,1255 @@
+"""A fake-CUDA dry run of the GPU path, on a machine without a GPU.
+
+On a CPU every tensor, generator and collective lives on one device, so a CPU/CUDA mix, a random op
+on the wrong generator, a CPU tensor handed to NCCL or a host read inside a loop passes every CPU
+test and fails (or stalls) on the first GPU. Here the trainer's own code runs on tensors that claim
+``device="cuda"`` (PyTorch's ``FakeTensorMode``: shapes, dtypes and devices propagate through the
+real operators' meta kernels, no memory is used, a 10B model runs in seconds), with
+``torch.distributed``'s ``fake`` process group for any world size in one process, and it checks:
+
+* **devices**: fake mode refuses a CPU/CUDA mix at the op (``FakeTensorDeviceMismatchError``); every
+  collective's tensors must be on the rank's CUDA device (:class:`DryRunMode` sees each ``c10d`` op,
+  FSDP2's included); every random factory given a generator must make its tensor on the device the
+  generator was made for (:func:`boogu_schedule.make_generator` is the seam: here it returns a
+  :class:`FakeCudaGenerator`, a CPU generator that says which device it stands for);
+* **host reads**: every device-to-host read (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``)
+  is recorded with the function that made it, and whether it ran inside a loop of the rollout or the
+  update (a stall per iteration on a GPU); reads by design are listed by name;
+* **memory**: the live bytes of every tensor (weights, LoRA state, activations, FSDP buffers) are
+  tracked, and the peak of each phase is compared with ``trainer --plan``.
+
+What a fake tensor cannot do, and the named stand-ins used instead:
+
+* values: a fake tensor has none. Small tensors whose inputs are all known (index lists, token masks,
+  group ids, seeds, window draws, the rewards below) are *shadowed*: the same op runs on real CPU
+  copies (:data:`SHADOW_LIMIT` elements at most), so host reads of them return real values. Other
+  reads (losses, norms, finiteness flags of model outputs) return a stand-in: 0, 0.0 or False ("no
+  problem"), and are marked ``stand_in`` in the report. Collectives replicate this rank's values (as if
+  every rank held the same).
+* rewards: images of a fake model have no pixels; :class:`HostScores` scores each image with a seeded
+  host-side random number (a user reward by import path, the route any reward takes).
+* CUDA streams, events, ``synchronize``, ``set_device``, device queries and pinned memory need a
+  driver: :class:`CudaStandIns` replaces those ``torch.cuda`` functions for the run (streams and events
+  do nothing; a ``synchronize`` is recorded as a host read).
+* the preflight compares real rollouts and is skipped (``preflight=false``).
+
+What none of this shows: kernel choice, speed, NCCL behaviour (timeouts, async errors) and CUDA's
+numerics. ``benchmarks/gpu_check.sh`` on a real GPU does; ``docs/gpu-path.md`` lists both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sys
+import traceback
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from boogu_schedule import generator_factory
+
+logger = logging.getLogger("boogu_trainer")
+
+__all__ = [
+    "SHADOW_LIMIT",
+    "CollectiveCall",
+    "CudaStandIns",
+    "DryRunError",
+    "DryRunMode",
+    "FakeCudaGenerator",
+    "HostRead",
+    "HostScores",
+    "Session",
+    "fake_cuda",
+]
+
+SHADOW_LIMIT = 1 << 16
+"""Largest tensor (elements) whose values the dry run computes on real CPU copies."""
+
+LOOP_FUNCTIONS = frozenset(
+    {
+        "sample_windowed",  # the denoising loop (boogu_schedule.sampling)
+        "boogu_velocity",  # every transformer call of a rollout or an update (boogu_adapters.step)
+        "step_stats",  # FlowGRPO's recomputed transition (boogu_adapters.training)
+        "_accumulate",  # FlowGRPO's micro-batch x window-step loop (boogu_trainer.learner)
+        "accumulate",  # DiffusionNFT / AWM's micro-batch x level loop (boogu_trainer.forward_process)
+        "precompute_old",
+        "optimizer_step",  # once per optimizer step, inside the mini-batch loop
+        "_weights_finite",
+    }
+)
+"""Functions that run once per denoising step, micro-batch, window step, level or optimizer step: a
+host read inside one stalls the GPU's queue at every iteration."""
+
+BY_DESIGN = {
+    "boogu_trainer.learner:Learner.optimizer_step": "one read per optimizer step: were the losses and "
+    "the gradient norm finite (skips the step on every rank)",
+    "boogu_trainer.learner:Learner._weights_finite": "one read per optimizer step: did the update keep "
+    "the LoRA finite (undoes it)",
+    "boogu_trainer.distributed:DistEnv.any": "the all-reduced flag of the two reads above, on several ranks",
+}
+"""Host reads inside the loops that the design makes on purpose, by site, with why."""
+
+
+STAND_IN_ANSWERS = {"boogu_trainer.learner:Learner._weights_finite": True}
+"""The "no problem" answer of a yes/no host read whose value a fake tensor does not have, by site
+(the default, False, is "no problem" for questions such as "was anything non-finite?")."""
+
+
+class DryRunError(RuntimeError):
+    """The code did something on fake CUDA that a real GPU would refuse (or stall on)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Generators
+
+
+class FakeCudaGenerator(torch.Generator):
+    """A CPU generator standing in for one on ``device`` (a CUDA generator needs a driver).
+
+    ``.device`` answers the device it stands for, so code that writes ``device=generator.device``
+    behaves as on a GPU; :class:`RandomOpCheck` compares every random op's device with it.
+    """
+
+    def __new__(cls, device: torch.device | str) -> FakeCudaGenerator:
+        self = super().__new__(cls)
+        self._stands_for = torch.device(device)
+        return self
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._stands_for
+
+
+def _fake_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return FakeCudaGenerator(torch.device("cuda", device.index or 0))
+    return FakeCudaGenerator(device)  # a CPU generator that says so
+
+
+RANDOM_FACTORIES = ("randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial")
+
+
+class RandomOpCheck:
+    """Wraps ``torch.<random factory>``: with ``generator=``, the op's device must be the generator's.
+
+    A real CUDA generator refuses to fill a CPU tensor (and a CPU generator a CUDA one); fake mode does
+    not check either, so this does. The device of the op is its ``device=`` argument, else its first
+    tensor argument's, else the CPU (PyTorch's default).
+    """
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> RandomOpCheck:
+        for name in RANDOM_FACTORIES:
+            original = getattr(torch, name)
+            self._saved[name] = original
+            setattr(torch, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(torch, name, original)
+        self._saved.clear()
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            generator = kwargs.get("generator")
+            if generator is not None:
+                if "device" in kwargs and kwargs["device"] is not None:
+                    device = torch.device(kwargs["device"])
+                else:
+                    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                    device = tensors[0].device if tensors else torch.device("cpu")
+                made_for = generator.device
+                if device.type != made_for.type:
+                    self.session.fail(
+                        f"torch.{name} draws a {device.type} tensor from a generator made for "
+                        f"{made_for} (a real {made_for.type} generator refuses this): pass "
+                        f"device=generator.device"
+                    )
+            return original(*args, **kwargs)
+
+        return checked
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.cuda without a driver
+
+
+class _Stream:
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+        self.device_index, self.device_type = 0, "cuda"
+
+    def wait_event(self, event: Any) -> None: ...
+
+    def wait_stream(self, stream: Any) -> None: ...
+
+    def record_event(self, event: Any = None) -> Any:
+        event = event or _Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None: ...
+
+    def wait(self, stream: Any = None) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
+
+
+class CudaStandIns:
+    """Replaces the ``torch.cuda`` functions that need a driver, for the dry run only.
+
+    Streams and events do nothing (so stream-ordering bugs are not checked); ``synchronize`` is
+    recorded as a host read; the device count is the world size, the name an H200's (its datasheet
+    peak gives ``perf/mfu``); memory statistics read the dry run's own tracker.
+    """
+
+    def __init__(self, session: Session, world_size: int):
+        self.session = session
+        self.world_size = world_size
+        self._saved: dict[str, Any] = {}
+        self._default = _Stream()
+
+    def _replacements(self) -> dict[str, Any]:
+        session = self.session
+        return {
+            "device_count": lambda: self.world_size,
+            "current_device": lambda: 0,
+            "set_device": lambda device: None,
+            "get_device_name": lambda device=None: "NVIDIA H200",
+            "get_device_capability": lambda device=None: (9, 0),
+            # Only fake tensors reach a CUDA device here; nothing needs the driver initialised.
+            "_lazy_init": lambda: None,
+            "Stream": _Stream,
+            "Event": _Event,
+            "current_stream": lambda device=None: self._default,
+            "default_stream": lambda device=None: self._default,
+            "stream": lambda s=None: contextlib.nullcontext(),
+            "synchronize": lambda device=None: session.synchronize(),
+            "max_memory_allocated": lambda device=None: session.peak_bytes,
+            "memory_allocated": lambda device=None: session.live_bytes,
+            "reset_peak_memory_stats": lambda device=None: session.reset_peak(),
+            "empty_cache": lambda: None,
+            "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
+            "set_rng_state": lambda state, device="cuda": None,
+            "get_rng_state_all": lambda: [],
+            "set_rng_state_all": lambda states: None,
+            "manual_seed_all": lambda seed: None,
+        }
+
+    def __enter__(self) -> CudaStandIns:
+        for name, value in self._replacements().items():
+            self._saved[name] = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, value)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, value in self._saved.items():
+            setattr(torch.cuda, name, value)
+        self._saved.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# Module.to and backward on fake tensors
+
+
+@contextlib.contextmanager
+def _fake_module_conversion() -> Iterator[None]:
+    """``Module.to`` / ``to_empty`` swap every fake parameter (``torch.utils.swap_tensors``), which the
+    fake mode's own weak references refuse; the parameter takes the converted data in place instead
+    (what ``param.data = ...`` did before swapping was the default)."""
+    import torch.utils
+
+    swap = torch.utils.swap_tensors
+
+    def swap_or_set(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            swap(t1, t2)
+        except RuntimeError as error:
+            if "weakref" not in str(error) or not _is_fake(t1):
+                raise
+            t1.data = t2.detach()
+            t1.fake_device = t2.fake_device  # a fake tensor's device is this attribute, not its data's
+
+    torch.utils.swap_tensors = swap_or_set
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
+@contextlib.contextmanager
+def _fused_attention(session: Session) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` takes the fused kernel an H200 takes: flash attention
+    without a mask, memory-efficient attention with one (flash takes no mask).
+
+    Without a driver PyTorch picks the math kernel, whose ``L x L`` scores (55 GB for one released
+    rollout call) a GPU never materialises; the fused kernels' fake implementations book what the
+    real ones keep (the output and a float32 log-sum-exp)."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    aten = torch.ops.aten
+
+    def attention(
+        query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ):
+        if not _is_fake(query) or query.device.type != "cuda":
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            repeat = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            session.stand_in("attention kernel: flash (as on an H200)")
+            return aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, scale=scale
+            )[0]
+        session.stand_in("attention kernel: memory-efficient (as on an H200)")
+        bias = None
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+                bias = bias.masked_fill(~attn_mask, float("-inf"))
+            else:
+                bias = attn_mask.to(query.dtype)
+            bias = bias.expand(query.shape[0], query.shape[-3], query.shape[-2], key.shape[-2])
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _tensor_from_fake_scalars() -> Iterator[None]:
+    """``torch.tensor([t0, t1, ...])`` of 0-d CUDA tensors reads each to the host (Qwen3-VL's rope
+    index does this); PyTorch's C++ path copies real memory for it, so the values are read here
+    first, through the fake tensors' host reads (recorded like any other)."""
+    original = torch.tensor
+
+    def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(data, (list, tuple)):
+            data = tree_map(lambda x: x.item() if isinstance(x, torch.Tensor) and _is_fake(x) else x, data)
+        return original(data, *args, **kwargs)
+
+    torch.tensor = tensor  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.tensor = original  # type: ignore[assignment]
+
+
+def _graph_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors (``AccumulateGrad`` nodes) an autograd graph reaches from ``roots``."""
+    leaves, seen, stack = [], set(), [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+class BackwardStandIn:
+    """``backward`` on fake CUDA: every leaf the graph reaches gets a zero gradient of its own shape,
+    dtype and device (accumulated as autograd would), then the graph is dropped.
+
+    PyTorch's autograd engine asks the CUDA driver whether a device has a context before it runs a
+    graph with CUDA tensors (``Engine::compute_dependencies`` → ``CUDAHooks::hasPrimaryContext``), so a
+    real backward cannot run without a driver. What this leaves out, and the dry run says so: the
+    backward kernels' devices (they follow the forward's, which are checked), FSDP2's backward
+    collectives (the reduce-scatter of each unit) and the recomputation of checkpointed blocks (one
+    block's activations, a small part of the training peak).
+    """
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._saved: dict[str, Any] = {}
+        self._held: list[list[torch.Tensor | None]] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # Every tensor a forward saves for backward goes through these, so that a stand-in backward can
+    # release them as a real one does (the training peak is one micro-batch's activations, not two).
+    def _pack(self, tensor: torch.Tensor) -> list[torch.Tensor | None]:
+        holder: list[torch.Tensor | None] = [tensor]
+        self._held.append(holder)
+        return holder
+
+    @staticmethod
+    def _unpack(holder: list[torch.Tensor | None]) -> torch.Tensor:
+        if holder[0] is None:
+            raise DryRunError("a saved tensor was used after its graph's backward (retain_graph)")
+        return holder[0]
+
+    def __enter__(self) -> BackwardStandIn:
+        self._hooks.__enter__()
+        self._saved = {"backward": torch.autograd.backward, "tensor_backward": torch.Tensor.backward}
+        torch.autograd.backward = self.backward  # type: ignore[assignment]
+        torch.Tensor.backward = lambda t, gradient=None, retain_graph=None, create_graph=False, inputs=None: (  # type: ignore[method-assign]
+            self.backward(t, gradient, retain_graph, create_graph, inputs=inputs)
+        )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.autograd.backward = self._saved["backward"]  # type: ignore[assignment]
+        torch.Tensor.backward = self._saved["tensor_backward"]  # type: ignore[method-assign]
+        self._hooks.__exit__(*exc)
+        self._held.clear()
+
+    def backward(
+        self,
+        tensors: Any,
+        grad_tensors: Any = None,
+        retain_graph: Any = None,
+        create_graph: bool = False,
+        grad_variables: Any = None,
+        inputs: Any = None,
+    ) -> None:
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        self.session.stand_in("backward: zero gradients on every reached leaf (the engine needs a driver)")
+        for leaf in inputs if inputs is not None else _graph_leaves(roots):
+            if not leaf.requires_grad:
+                continue
+            with torch.no_grad():
+                grad = torch.zeros_like(leaf)
+                if leaf.grad is None:
+                    leaf.grad = grad
+                else:
+                    leaf.grad.add_(grad)
+            for hook in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(leaf)
+        if not retain_graph:
+            for holder in self._held:  # the graphs' saved activations die here, as in a real backward
+                holder[0] = None
+            self._held.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# The dispatch mode: shadows, host reads, collectives, memory
+
+
+@dataclass
+class HostRead:
+    site: str
+    """``module:qualname`` of the innermost function of our packages that read."""
+    phase: str
+    """The `DistEnv.collective` block it ran in (``rollout, step 1``, ``update, step 1``, ...)."""
+    in_loop: bool
+    stand_in: bool
+    """No real value was known (a fake tensor's value): the read returned 0 / 0.0 / False."""
+
+
+@dataclass
+class CollectiveCall:
+    op: str
+    phase: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    devices: tuple[str, ...]
+
+
+_OUR_PACKAGES = ("boogu_schedule", "boogu_data", "boogu_adapters", "boogu_trainer", "boogu_vllm")
+
+
+def _our_frames() -> list[tuple[str, str]]:
+    """(module, qualname) of the frames of our packages on the stack, innermost first."""
+    frames = []
+    f = sys._getframe(2)
+    while f is not None:
+        path = Path(f.f_code.co_filename)
+        parts = path.parts
+        for package in _OUR_PACKAGES:
+            if package in parts:
+                i = parts.index(package)
+                module = ".".join((*parts[i:-1], path.stem))
+                if module != __name__:  # the dry run's own frames are not the reader
+                    frames.append((module, f.f_code.co_qualname))
+                break
+        f = f.f_back
+    return frames
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (tuples, lists and dicts of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+    return found
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+_IN_PLACE_RANDOM = frozenset(
+    {
+        torch.ops.aten.uniform_,
+        torch.ops.aten.normal_,
+        torch.ops.aten.random_,
+        torch.ops.aten.bernoulli_,
+        torch.ops.aten.exponential_,
+        torch.ops.aten.log_normal_,
+        torch.ops.aten.cauchy_,
+        torch.ops.aten.geometric_,
+    }
+)
+
+
+_UNINITIALISED = frozenset(
+    {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like, torch.ops.aten.new_empty}
+)
+
+
+class DryRunMode(TorchDispatchMode):
+    """Sees every op under the fake mode: keeps shadows, answers host reads, checks collectives,
+    books memory."""
+
+    def __init__(self, session: Session):
+        super().__init__()
+        self.session = session
+        self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    # ---- shadows -----------------------------------------------------------------------------------
+    def shadow_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        if not _is_fake(t):
+            return t if t.device.type == "cpu" else None
+        return self.shadows.get(t)
+
+    def _real(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self.shadow_of(x)
+        if isinstance(x, torch.device) and x.type != "cpu":
+            return torch.device("cpu")
+        return x
+
+    def _shadow(self, func: Any, args: tuple, kwargs: dict, out: Any, outs: list[torch.Tensor]) -> None:
+        if func.overloadpacket in _UNINITIALISED:
+            return  # no values to know (and no weak reference on new parameters, which `Module.to` swaps)
+        outs = [t for t in outs if _is_fake(t)]
+        if not outs:
+            return
+        known = all(o.numel() <= SHADOW_LIMIT for o in outs) and all(
+            self.shadow_of(t) is not None for t in _tensors((args, kwargs))
+        )
+        real_out = None
+        if known:
+            try:
+                real_args, real_kwargs = tree_map(self._real, (args, kwargs))
+                with unset_fake_temporarily():
+                    real_out = func(*real_args, **real_kwargs)
+            except Exception:  # an op the CPU cannot run (dtype, stand-in indices): no shadow
+                real_out = None
+        reals = _tensors(real_out) if real_out is not None else []
+        if len(reals) != len(outs):
+            for o in outs:
+                self.shadows.pop(o, None)
+            return
+        for o, r in zip(outs, reals):
+            self.shadows[o] = r
+
+    # ---- dispatch ------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            return self.session.host_read(args[0], self.shadow_of(args[0]))
+        if func is aten._pin_memory.default:
+            self.session.stand_in("pinned memory (needs a driver): the tensor itself")
+            out = args[0]
+            return out
+        if func is aten.is_pinned.default:
+            return True
+        if func.overloadpacket in _IN_PLACE_RANDOM and kwargs.get("generator") is None and _is_fake(args[0]):
+            # Weight initialisers draw from the default CUDA generator, which needs a driver; a fake
+            # tensor has no values to fill.
+            self.session.stand_in("in-place random fill without a generator (initialisers): skipped")
+            return args[0]
+        namespace = getattr(func, "namespace", "")
+        if namespace in ("c10d", "_c10d_functional"):
+            self.session.collective(func, args, kwargs)
+            out = func(*args, **kwargs)
+            self._replicate(func, args, out)
+            return out
+        try:
+            out = func(*args, **kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            out = self._from_shadows(func, args, kwargs)
+        outs = _tensors(out)
+        self._book(outs)
+        self._shadow(func, args, kwargs, out, outs)
+        return out
+
+    def _from_shadows(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op whose output shape depends on values (``nonzero``, ``unique``, boolean indexing): run
+        it on the inputs' shadows and make fake tensors of the result on the inputs' device. An input
+        without a shadow (the data that a known mask selects from) takes zeros of its shape: the
+        result's shape is right, its values unknown. Without the values that decide the shape, the
+        dry run cannot follow the op, and says which."""
+        inputs = _tensors((args, kwargs))
+        unknown = [t for t in inputs if self.shadow_of(t) is None]
+        deciding = [
+            t for t in unknown if t.dtype in (torch.bool, torch.int64, torch.int32) or t.numel() > 1 << 26
+        ]
+        if deciding:
+            raise DryRunError(
+                f"{func} has a value-dependent output shape and the values that decide it are unknown "
+                f"here (shapes {[tuple(t.shape) for t in deciding]}): the dry run cannot follow it"
+            )
+        device = inputs[0].device if inputs else torch.device("cpu")
+
+        def real(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and self.shadow_of(x) is None:
+                with unset_fake_temporarily():
+                    return torch.zeros(x.shape, dtype=x.dtype)
+            return self._real(x)
+
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
+        with unset_fake_temporarily():
+            real_out = func(*real_args, **real_kwargs)
+        fake_mode = next(t.fake_mode for t in inputs if _is_fake(t))
+
+        def to_fake(r: Any) -> Any:
+            if not isinstance(r, torch.Tensor):
+                return r
+            return torch.ops.aten._to_copy.default(fake_mode.from_tensor(r), device=device)
+
+        out = tree_map(to_fake, real_out)
+        if not unknown:
+            for o, r in zip(_tensors(out), _tensors(real_out)):
+                if isinstance(o, torch.Tensor):
+                    self.shadows[o] = r
+        return out
+
+    # ---- memory --------------------------------------------------------------------------------------
+    def _book(self, outs: list[torch.Tensor]) -> None:
+        """Book the storage of every new CUDA tensor an op made (views and in-place results alias a
+        booked storage and make none); unbook it when the storage dies."""
+        for t in outs:
+            if t.device.type != "cuda":
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self.session.booked:
+                continue
+            self.session.book(key, storage.nbytes())
+            weakref.finalize(storage, self.session.unbook, key)
+
+    def _replicate(self, func: Any, args: tuple, out: Any) -> None:
+        """The fake group moves no data: every output of a small collective takes this rank's values."""
+        name = func._schema.name
+        if "allgather" in name or "all_gather" in name:
+            outputs, inputs = args[0], args[1]
+            outs = _tensors(outputs)
+            ins = _tensors(inputs)
+            if len(ins) == 1:
+                source = self.shadow_of(ins[0])
+                for o in outs:
+                    if source is not None and o.numel() % max(source.numel(), 1) == 0:
+                        reps = o.numel() // max(source.numel(), 1)
+                        with unset_fake_temporarily():
+                            self.shadows[o] = source.reshape(-1).repeat(reps).reshape(o.shape).clone()
+                    else:
+                        self.shadows.pop(o, None)
+        # all_reduce / broadcast work in place: the input keeps its (replicated) values.
+
+
+# ------------------------------------------------------------------------------------------------
+# The session
+
+
+@dataclass
+class Session:
+    """Everything one dry run recorded."""
+
+    world_size: int = 1
+    rank: int = 0
+    host_reads: list[HostRead] = field(default_factory=list)
+    collectives: list[CollectiveCall] = field(default_factory=list)
+    stand_ins: Counter = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    mode: DryRunMode | None = None
+
+    # ---- checks ----------------------------------------------------------------------------------------
+    def fail(self, message: str) -> None:
+        where = "".join(traceback.format_stack(limit=14)[:-2])
+        self.errors.append(message)
+        raise DryRunError(f"{message}\n{where}")
+
+    def stand_in(self, what: str) -> None:
+        self.stand_ins[what] += 1
+
+    def phase(self) -> str:
+        from boogu_trainer.distributed import current_collective
+
+        return current_collective() or "setup"
+
+    def host_read(self, tensor: torch.Tensor, shadow: torch.Tensor | None) -> Any:
+        frames = _our_frames()
+        site = f"{frames[0][0]}:{frames[0][1]}" if frames else "(outside our packages)"
+        in_loop = any(q.rsplit(".", 1)[-1] in LOOP_FUNCTIONS for _, q in frames)
+        device_read = tensor.device.type != "cpu"
+        if device_read:
+            self.host_reads.append(HostRead(site, self.phase(), in_loop, shadow is None))
+        if shadow is not None:
+            with unset_fake_temporarily():
+                return shadow.reshape(()).item()
+        if tensor.dtype == torch.bool:
+            return STAND_IN_ANSWERS.get(site, False)
+        return 0.0 if tensor.is_floating_point() or tensor.is_complex() else 0
+
+    def synchronize(self) -> None:
+        frames = _our_frames()
+        site = f"{frames[0][0]}:{frames[0][1]} (torch.cuda.synchronize)" if frames else "synchronize"
+        in_loop = any(q.rsplit(".", 1)[-1] in LOOP_FUNCTIONS for _, q in frames)
+        self.host_reads.append(HostRead(site, self.phase(), in_loop, False))
+
+    def collective(self, func: Any, args: tuple, kwargs: dict) -> None:
+        tensors = _tensors((args, kwargs))
+        devices = tuple(str(t.device) for t in tensors)
+        call = CollectiveCall(
+            op=func._schema.name,
+            phase=self.phase(),
+            shapes=tuple(tuple(t.shape) for t in tensors),
+            dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+            devices=devices,
+        )
+        self.collectives.append(call)
+        wrong = sorted({d for d in devices if not d.startswith("cuda")})
+        if wrong:
+            self.fail(
+                f"collective {call.op} in '{call.phase}' got tensors on {wrong} (shapes {call.shapes}): "
+                "a NCCL process group takes CUDA tensors only"
+            )
+
+    # ---- memory ------------------------------------------------------------------------------------------
+    booked: dict[int, int] = field(default_factory=dict)
+    """Live CUDA storages (by ``_cdata``) and their bytes."""
+
+    def book(self, key: int, nbytes: int) -> None:
+        self.booked[key] = nbytes
+        self._grow(nbytes)
+
+    def unbook(self, key: int) -> None:
+        self.live_bytes -= self.booked.pop(key, 0)
+
+    def resized(self, key: int, nbytes: int) -> None:
+        """A booked storage changed size in place (FSDP2 frees and re-allocates unsharded parameters so)."""
+        if key in self.booked:
+            self._grow(nbytes - self.booked[key])
+            self.booked[key] = nbytes
+
+    def _grow(self, delta: int) -> None:
+        self.live_bytes += delta
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if delta > 0:
+            phase = self.phase()
+            if self.live_bytes > self.phase_peaks.get(phase, 0):
+                self.phase_peaks[phase] = self.live_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    # ---- report ------------------------------------------------------------------------------------------
+    def host_read_summary(self) -> dict[str, Any]:
+        in_loops = Counter(r.site for r in self.host_reads if r.in_loop and r.site not in BY_DESIGN)
+        by_design = Counter(r.site for r in self.host_reads if r.in_loop and r.site in BY_DESIGN)
+        outside = Counter(r.site for r in self.host_reads if not r.in_loop)
+        return {
+            "host_reads_in_loops": sum(in_loops.values()),
+            "in_loops": dict(in_loops),
+            "by_design": {k: {"count": v, "why": BY_DESIGN[k]} for k, v in by_design.items()},
+            "outside_loops": dict(outside),
+            "stand_in_values": sum(r.stand_in for r in self.host_reads),
+        }
+
+
+@contextlib.contextmanager
+def fake_cuda(world_size: int = 1) -> Iterator[Session]:
+    """Run the block on fake CUDA: fake tensors, the fake process group (``world_size`` ranks, this
+    process rank 0), the CUDA stand-ins, the generator seam and the checks. Yields the `Session`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from boogu_trainer.distributed import fake_process_group
+
+    session = Session(world_size=world_size)
+    group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
+    mode = DryRunMode(session)
+    session.mode = mode
+    resize = torch.UntypedStorage.resize_
+
+    def tracked_resize(storage: torch.UntypedStorage, size: int) -> Any:
+        out = resize(storage, size)
+        session.resized(storage._cdata, storage.nbytes())
+        return out
+
+    torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign]
+    try:
+        with (
+            group,
+            CudaStandIns(session, world_size),
+            _fake_module_conversion(),
+            _tensor_from_fake_scalars(),
+            _fused_attention(session),
+            BackwardStandIn(session),
+            generator_factory(_fake_generator),
+            RandomOpCheck(session),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            mode,
+        ):
+            yield session
+    finally:
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------------------------------
+# The reward stand-in
+
+
+class HostScores:
+    """A reward for fake images: a seeded random score in [0, 1) per image, computed on the host.
+
+    Images of a fake model have no pixels, so no real reward can score them; this one checks what a
+    reward receives (uint8 (B, 3, H, W) on the rollout's device) and returns host values, as a remote
+    scorer would. Used by the dry run only, by import path: ``boogu_trainer.dryrun:HostScores``.
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.calls = 0
+
+    def __call__(self, images: torch.Tensor, records: Sequence[Any]) -> torch.Tensor:
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+            raise DryRunError(
+                f"HostScores: expected uint8 (B, 3, H, W) images, got {images.dtype} {tuple(images.shape)}"
+            )
+        self.calls += 1
+        from boogu_schedule import make_generator
+
+        gen = make_generator(self.seed + self.calls)
+        return torch.rand(images.shape[0], generator=gen, device="cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# One case: build the parts on fake CUDA, one training step (rollout, update, weight sync) and one
+# evaluation call of a recipe.
+
+
+RECIPES = {
+    "flow_grpo": "examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml",
+    "grpo_guard": "examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_grpo_guard_lora.yaml",
+    "diffusion_nft": "examples/diffusion_nft_trainer/boogu_image/boogu_image_ocr_lora.yaml",
+    "awm": "examples/awm_trainer/boogu_image/boogu_image_ocr_lora.yaml",
+}
+"""The shipped recipe of each algorithm (paths from the repository root)."""
+
+RECIPE_RANKS = 4
+"""The recipes are written for 4 GPUs: a rank's share of the evaluation prompts is a quarter."""
+
+EVAL_STEPS = 2
+"""Denoising steps of the dry run's evaluation call (each step is the same call; the recipes' 50 only
+take longer)."""
+
+
+def shape_preserving_prompts(config: Any) -> int:
+    """The fewest prompts per rank whose rollout and training calls have the recipe's shapes: one full
+    rollout micro-batch of latents, and whole mini-batches of whole training micro-batches.
+
+    A rank of the reference recipe (32 prompts over 4 GPUs, groups of 16) makes 4 rollout calls of 32
+    latents and 32 training micro-batches of 8 per window step; the dry run makes one call of each
+    shape (the memory peak is the largest call, not their number)."""
+    a = config.algorithm
+    mb = config.rollout.micro_batch_size or a.group_size
+    prompts = max(math.ceil(mb / a.group_size), a.mini_batches)
+    while (prompts % a.mini_batches) or (
+        a.train_micro_batch_size and (prompts // a.mini_batches * a.group_size) % a.train_micro_batch_size
+    ):
+        prompts += 1
+    return prompts
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The model sizes of a dry run: the transformer config, the text encoder's and the VAE's."""
+
+    name: str
+    transformer: dict[str, Any]
+    mllm: dict[str, Any] | None
+    """A Qwen3-VL config (None: the tiny checkpoint's encoder config)."""
+    vae: dict[str, Any] | None
+    """An AutoencoderKL config (None: the tiny checkpoint's)."""
+    height: int | None = None
+    """Output size (None: the recipe's)."""
+
+
+def presets() -> dict[str, Preset]:
+    from boogu_adapters.model import RELEASED_CONFIG, TINY_CONFIG
+    from boogu_trainer.plan import RELEASED_MLLM_CONFIG, RELEASED_VAE_CONFIG
+
+    mid = {
+        **TINY_CONFIG,
+        "hidden_size": 256,
+        "num_layers": 8,
+        "num_double_stream_layers": 4,
+        "axes_dim_rope": (16, 24, 24),
+    }
+    return {
+        "released": Preset("released", dict(RELEASED_CONFIG), RELEASED_MLLM_CONFIG, RELEASED_VAE_CONFIG),
+        "mid": Preset("mid", mid, None, None, height=256),
+        "tiny": Preset("tiny", dict(TINY_CONFIG), None, None, height=64),
+    }
+
+
+_INITIALISERS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextlib.contextmanager
+def _skip_initialisers() -> Iterator[None]:
+    """``torch.nn.init`` does nothing inside: fake weights have no values, and the initialisers would
+    draw from the default CUDA generator (which needs a driver) or read bounds back to the host."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def build_parts(preset: Preset, tiny_root: Path, device: torch.device, dtype: torch.dtype):
+    """`BooguParts` of ``preset`` on ``device`` (fake CUDA inside :func:`fake_cuda`), random weights;
+    processor and scheduler from the tiny checkpoint at ``tiny_root``."""
+    import json
+
+    from diffusers import AutoencoderKL
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from boogu_adapters.loading import BooguParts, load_processor, load_schedule_config
+    from boogu_adapters.model import BooguImageTransformer2DModel
+
+    tiny_mllm = json.loads((tiny_root / "mllm" / "config.json").read_text())
+    tiny_vae = json.loads((tiny_root / "vae" / "config.json").read_text())
+    mllm = preset.mllm or tiny_mllm
+    hidden = int(mllm.get("text_config", mllm)["hidden_size"])
+    cfg = {
+        **preset.transformer,
+        "instruction_feature_configs": {
+            **preset.transformer["instruction_feature_configs"],
+            "instruction_feat_dim": hidden,
+        },
+    }
+    # Built straight on the (fake) device: the initialisers run as shape-only ops that draw from no
+    # generator, and a fake tensor's values do not exist anyway.
+    keys = {k: v for k, v in mllm.items() if k not in ("architectures", "model_type", "transformers_version")}
+    # The prompts are tokenised by the tiny checkpoint's processor: its special-token ids.
+    keys.update({k: v for k, v in tiny_mllm.items() if k.endswith("_token_id")})
+    vae_cfg = {k: v for k, v in (preset.vae or tiny_vae).items() if not k.startswith("_")}
+    for k in ("scaling_factor", "shift_factor"):
+        vae_cfg.setdefault(k, tiny_vae.get(k))
+    with torch.device(device), _skip_initialisers():
+        transformer = BooguImageTransformer2DModel(**cfg).to(dtype).eval()
+        encoder = Qwen3VLModel._from_config(Qwen3VLConfig(**keys), torch_dtype=dtype).eval()
+        vae = AutoencoderKL.from_config(vae_cfg).to(dtype).eval()
+    return BooguParts(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=encoder,
+        processor=load_processor(tiny_root),
+        schedule_config=load_schedule_config(tiny_root),
+        vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1),
+        path=tiny_root,
+        transformer_kind="native",
+    )
+
+
+def edit_records(count: int, height: int, width: int) -> list:
+    """``count`` edit rows, each with a PNG reference image of ``height x width`` (output follows it)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from boogu_data import PromptRecord
+
+    rows = []
+    for i in range(count):
+        buffer = io.BytesIO()
+        pixels = np.full((height, width, 3), (37 * i) % 256, dtype=np.uint8)
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        rows.append(
+            PromptRecord(
+                index=i,
+                instruction=f'Replace the sign\'s text with "BOOGU {i}"',
+                negative="",
+                ground_truth=f"BOOGU {i}",
+                ref_image=buffer.getvalue(),
+            )
+        )
+    return rows
+
+
+def measured_peaks(session: Session) -> dict[str, float]:
+    """Peak live GiB of the rollout, the update and the evaluation call, and of the whole step."""
+    peaks: dict[str, float] = {}
+    for phase, peak in session.phase_peaks.items():
+        key = phase.split(",")[0].strip()
+        key = {"update": "train"}.get(key, key)
+        peaks[key] = max(peaks.get(key, 0.0), peak / 2**30)
+    peaks["step"] = session.peak_bytes / 2**30
+    return {k: round(v, 3) for k, v in peaks.items()}
+
+
+def shape_folder(preset: Preset, tiny_root: Path, folder: Path) -> Path:
+    """A checkpoint folder with only the ``config.json`` files of ``preset`` (what ``trainer --plan``
+    reads), for the plan of the dry run's sizes."""
+    import json
+
+    for part, cfg in (("transformer", preset.transformer), ("vae", preset.vae), ("mllm", preset.mllm)):
+        target = folder / part / "config.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if cfg is None:
+            target.write_text((tiny_root / part / "config.json").read_text())
+        else:
+            target.write_text(json.dumps(cfg, default=list))
+    mllm = json.loads((folder / "mllm" / "config.json").read_text())
+    transformer = json.loads((folder / "transformer" / "config.json").read_text())
+    transformer["instruction_feature_configs"]["instruction_feat_dim"] = int(
+        mllm.get("text_config", mllm)["hidden_size"]
+    )
+    (folder / "transformer" / "config.json").write_text(json.dumps(transformer))
+    return folder
+
+
+def planned_peaks(
+    config: Any, preset: Preset, tiny_root: Path, work: Path, world_size: int
+) -> dict[str, float]:
+    """``trainer --plan``'s expected peak GiB of the same phases, for the same recipe and sizes."""
+    import dataclasses
+
+    from boogu_trainer.plan import plan_memory
+
+    folder = shape_folder(preset, tiny_root, work / f"shapes-{preset.name}")
+    model = dataclasses.replace(config.model, path=str(folder))
+    plan = plan_memory(dataclasses.replace(config, model=model), world_size=world_size, device_type="cuda")
+    static = plan.static_total
+    rollout = max(plan.phases[k].bytes for k in ("rollout", "vae decode", "text encoder"))
+    out = {"rollout": static + rollout, "train": static + plan.phases["train"].bytes, "step": plan.peak}
+    return {k: round(v / 2**30, 3) for k, v in out.items()}
+
+
+@dataclass
+class CaseResult:
+    name: str
+    ok: bool
+    error: str | None
+    seconds: float
+    session: Session | None = None
+    peaks: dict[str, float] = field(default_factory=dict)
+    """Measured peak GiB per phase (``rollout``, ``train``, ``evaluation``, ``step``)."""
+    plan: dict[str, float] = field(default_factory=dict)
+    """``trainer --plan``'s expected peak GiB per phase for the same recipe and world size."""
+    traceback: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        reads = self.session.host_read_summary() if self.session is not None else {}
+        return {
+            "ok": self.ok,
+            "error": self.error,
+            "seconds": round(self.seconds, 2),
+            "host_reads_in_loops": reads.get("host_reads_in_loops"),
+            "host_reads": reads,
+            "collectives": len(self.session.collectives) if self.session else None,
+            "stand_ins": dict(self.session.stand_ins) if self.session else {},
+            "peak_memory_gb": self.peaks.get("step"),
+            "plan_peak_gb": self.plan.get("step"),
+            "peaks_gb": self.peaks,
+            "plan_gb": self.plan,
+        }
+
+
+def run_case(
+    algorithm: str,
+    edit: bool,
+    *,
+    preset: Preset,
+    repo: Path,
+    tiny_root: Path,
+    work: Path,
+    world_size: int = 1,
+    prompts_per_rank: int | None = None,
+    eval_prompts_per_rank: int | None = None,
+    eval_steps: int | None = None,
+    overrides: Sequence[str] = (),
+) -> CaseResult:
+    """One dry-run case: the recipe of ``algorithm`` at ``preset``'s sizes, T2I or edit, on
+    ``world_size`` fake ranks (this process rank 0): one training step and one evaluation call."""
+    import os
+    import time
+
+    from boogu_trainer.config import load_config
+    from boogu_trainer.data import PromptSampler, demo_records
+    from boogu_trainer.distributed import DistEnv
+    from boogu_trainer.loop import Trainer
+
+    name = f"{algorithm}-{'edit' if edit else 't2i'}"
+    t0 = time.perf_counter()
+    recipe = load_config(repo / RECIPES[algorithm], [f"model.path={tiny_root}"])
+    per_rank = prompts_per_rank or shape_preserving_prompts(recipe)
+    eval_per_rank = eval_prompts_per_rank or max(recipe.eval.num_prompts // RECIPE_RANKS, 1)
+    size = preset.height or recipe.sampler.height
+    config = load_config(
+        repo / RECIPES[algorithm],
+        [
+            f"model.path={tiny_root}",
+            "model.device=cuda",
+            "model.dtype=bfloat16",
+            "data.train_files=[]",
+            "data.val_files=[]",
+            f"data.prompts_per_step={per_rank * world_size}",
+            f"sampler.height={size}",
+            f"sampler.width={size}",
+            "reward.rewards=[{name: 'boogu_trainer.dryrun:HostScores'}]",
+            "eval.rewards=[]",
+            f"eval.num_prompts={eval_per_rank * world_size}",
+            f"eval.num_steps={eval_steps or EVAL_STEPS}",
+            "preflight=false",
+            "total_steps=1",
+            "checkpoint.save_every=0",
+            f"logging.run_dir={work}",
+            f"logging.name={name}",
+            "logging.sample_every=0",
+            "logging.plot_every=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            *overrides,
+        ],
+    )
+    result = CaseResult(name=name, ok=False, error=None, seconds=0.0)
+    env = {"WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "RANK": "0"}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with fake_cuda(world_size) as session:
+            result.session = session
+            # `DistEnv.from_environment` asks `torch.cuda.is_available()`, which must stay False here (fake
+            # mode takes the real CUDA path for a CPU-to-CUDA copy when it is True); its device
+            # handling is tested on its own (tests/trainer/test_distributed_device.py).
+            dist = DistEnv(
+                rank=0,
+                world_size=world_size,
+                local_rank=0,
+                device=torch.device("cuda", 0),
+                timeout_s=config.distributed.timeout_s,
+            )
+            parts = build_parts(preset, tiny_root, dist.device, torch.bfloat16)
+            trainer = Trainer(config, dist=dist, parts=parts)
+            records = (
+                edit_records(per_rank * world_size, size, size)
+                if edit
+                else demo_records(config.data.demo_prompts)
+            )
+            trainer.data = PromptSampler(
+                records, config.data.prompts_per_step, shuffle=False, seed=config.seed
+            )
+            eval_records = (
+                edit_records(eval_per_rank * world_size, size, size)
+                if edit
+                else (records * eval_per_rank * world_size)[: eval_per_rank * world_size]
+            )
+            trainer.evaluator.records = eval_records
+            session.reset_peak()
+            trainer.train_step()
+            trainer.evaluator.evaluate(step=1)
+            if session.errors:
+                raise DryRunError("; ".join(session.errors))
+        result.peaks = measured_peaks(session)
+        result.plan = planned_peaks(config, preset, tiny_root, work, world_size)
+        result.ok = True
+    except Exception as error:  # the case's verdict: the report names it
+        result.error = f"{type(error).__name__}: {error}"
+        logger.debug("dry run %s failed", name, exc_info=True)
+        result.traceback = traceback.format_exc()
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        result.seconds = time.perf_counter() - t0
+    return result
