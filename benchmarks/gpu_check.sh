@@ -255,7 +255,8 @@ main() {
         echo "BOOGU_GPU_CHECK_TIMEOUT_SCALE must be a positive number, got '$TIMEOUT_SCALE'" >&2
         return 2
     fi
-    for name in ${BOOGU_GPU_CHECK_PHASES//,/ }; do
+    local selection="${BOOGU_GPU_CHECK_PHASES:-}"
+    for name in ${selection//,/ }; do
         if [ -z "${PHASE_TIMEOUT_S[$name]:-}" ]; then
             echo "BOOGU_GPU_CHECK_PHASES: unknown phase '$name' (phases: ${PHASES[*]})" >&2
             return 2
@@ -309,7 +310,7 @@ main() {
 
     local no_vllm=""
     if [ "$DEVICE" = cpu ]; then
-        no_vllm="the vllm-omni engine runs on a GPU here (tests/vllm covers it on CPU)"
+        no_vllm="the vllm-omni engine runs on a GPU here; tests/vllm covers it on CPU"
     elif ! { [ -x "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm_omni, boogu_vllm.omni_backend" > /dev/null 2>&1; }; then
         no_vllm="no rollout environment with vllm-omni on this machine ($VLLM_PY); see the header"
     fi
