@@ -43,6 +43,9 @@
 #                            at the tiny preset and toy sizes (tests/test_benchmarks.py runs it);
 #   BOOGU_GPU_CHECK_PYTHON   the interpreter (default python3: the lent machine's own, with torch);
 #   BOOGU_GPU_CHECK_PHASES   a comma-separated subset of the phases to run (the others are skipped);
+#   BOOGU_GPU_CHECK_DRYRUN_ARGS     more arguments for gpu_dryrun.py (e.g. "--cases flow_grpo-t2i":
+#                            a draft of it took about 40-70 s per case on 2 CPU cores at the tiny
+#                            preset, 8 cases in all, more than the phase's timeout);
 #   BOOGU_GPU_CHECK_TIMEOUT_SCALE   multiplies every timeout (default 1 on cuda, 3 on cpu, where a
 #                            shared 2-core machine is far slower than the GPU machine the budget is for).
 # PYTHONPATH is every workspace package's src folder (packages/*/src), then /tmp/site once the wheels
@@ -230,10 +233,13 @@ phase_gpu_scale() {
 }
 
 phase_gpu_dryrun() {
+    local extra
+    # shellcheck disable=SC2206  # split on whitespace on purpose
+    extra=(${BOOGU_GPU_CHECK_DRYRUN_ARGS:-})
     if [ "$DEVICE" = cuda ]; then
-        "$PY" benchmarks/gpu_dryrun.py --preset released --world-size 8 --json "$OUT/gpu_dryrun.json"
+        "$PY" benchmarks/gpu_dryrun.py --preset released --world-size 8 --json "$OUT/gpu_dryrun.json" "${extra[@]}"
     else
-        "$PY" benchmarks/gpu_dryrun.py --preset tiny --world-size 1 --json "$OUT/gpu_dryrun.json"
+        "$PY" benchmarks/gpu_dryrun.py --preset tiny --world-size 1 --json "$OUT/gpu_dryrun.json" "${extra[@]}"
     fi
 }
 
