@@ -62,7 +62,6 @@
 #   BOOGU_GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh     # the CPU rehearsal (about 3 minutes)
 #
 # Sourced (`source benchmarks/gpu_check.sh`), it only defines its functions and settings.
-set -uo pipefail # no -e: a failing phase must not end the run
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PHASES=(install env gpu_path e2e_t2i e2e_edit gpu_scale gpu_dryrun vllm_e2e vllm_engines)
@@ -142,7 +141,10 @@ run_phase() {
     timeout -k "$KILL_GRACE_S" "$limit" bash -c '"$@"' "$name" "$@" > "$LOG_DIR/$name.log" 2>&1
     rc=$?
     seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
+    # 124: timeout's TERM, 137: its KILL after the grace (a process killed for memory is 137 too).
+    if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && awk -v s="$seconds" -v l="$limit" 'BEGIN { exit !(s >= l) }'; then
+        timed_out=true
+    fi
     if [ "$rc" -eq 0 ]; then ok=true; else ok=false; fi
     PHASE_RECORDS+=("{\"name\": $(json_str "$name"), \"ok\": $ok, \"seconds\": $seconds, \"rc\": $rc, \"timed_out\": $timed_out, \"timeout_s\": $limit, \"log\": \"$name.log\", \"skipped\": false}")
     if [ "$ok" = true ]; then
@@ -261,6 +263,13 @@ main() {
         echo "BOOGU_GPU_CHECK_TIMEOUT_SCALE must be a positive number, got '$TIMEOUT_SCALE'" >&2
         return 2
     fi
+    TIMEOUT_SCALE=$(awk -v s="$TIMEOUT_SCALE" 'BEGIN { print s + 0 }') # a JSON number (".5" is not)
+    local total=0
+    for name in "${PHASES[@]}"; do total=$((total + PHASE_TIMEOUT_S[$name])); done
+    if [ "$total" -gt "$BUDGET_S" ]; then
+        echo "the phases' timeouts sum to $total s, over the budget of $BUDGET_S s (see the header)" >&2
+        return 2
+    fi
     local selection="${BOOGU_GPU_CHECK_PHASES:-}"
     for name in ${selection//,/ }; do
         if [ -z "${PHASE_TIMEOUT_S[$name]:-}" ]; then
@@ -347,6 +356,7 @@ main() {
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    set -uo pipefail # no -e: a failing phase must not end the run
     main
     exit $?
 fi

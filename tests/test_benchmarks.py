@@ -206,7 +206,7 @@ def test_gpu_check_a_failing_phase_does_not_stop_the_later_ones(tmp_path):
     env = {
         "BOOGU_GPU_CHECK_DEVICE": "cpu",
         "BOOGU_GPU_CHECK_PYTHON": str(python),
-        "BOOGU_GPU_CHECK_TIMEOUT_SCALE": "0.05",  # gpu_scale's 130 s -> 7 s: its 60 s sleep times out
+        "BOOGU_GPU_CHECK_TIMEOUT_SCALE": "0.1",  # gpu_scale's 130 s -> 13 s: its 60 s sleep times out
         "BOOGU_GPU_CHECK_DRYRUN_ARGS": "--cases flow_grpo-t2i",
         "PYTHONPATH": "/caller/path",
     }
@@ -283,6 +283,13 @@ def test_gpu_check_refuses_an_unknown_phase_or_device(tmp_path):
     ):
         result = _run_gpu_check(repo, tmp_path / "out", env, timeout=30)
         assert result.returncode == 2 and message in result.stderr, (env, result.stderr)
+    # a timeout raised past the budget is refused before any phase runs
+    script = repo / "benchmarks" / "gpu_check.sh"
+    text = script.read_text()
+    assert text.count("[gpu_path]=120 ") == 1
+    script.write_text(text.replace("[gpu_path]=120 ", "[gpu_path]=200 "))
+    result = _run_gpu_check(repo, tmp_path / "out", {}, timeout=30)
+    assert result.returncode == 2 and "sum to 620 s, over the budget of 540 s" in result.stderr, result.stderr
 
 
 @pytest.mark.slow
