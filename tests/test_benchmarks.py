@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import runpy
+import shlex
+import shutil
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -121,3 +126,198 @@ def test_algorithms_ratio_interval(monkeypatch):
     narrow = interval(new * 10, base * 10)  # ten times the seeds: a narrower interval
     assert low < narrow[0] < point < narrow[1] < high
     assert all(math.isnan(v) for v in interval([1.0], base))
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/gpu_check.sh: the one-shot check for a lent GPU machine (one command of at most 600 s)
+
+GPU_CHECK = BENCHMARKS / "gpu_check.sh"
+REPO = BENCHMARKS.parent
+GPU_CHECK_PHASES = [
+    "install",
+    "env",
+    "gpu_path",
+    "e2e_t2i",
+    "e2e_edit",
+    "gpu_scale",
+    "gpu_dryrun",
+    "vllm_e2e",
+    "vllm_engines",
+]
+GPU_CHECK_BUDGET_S = 540  # of the device tool's 600 s per command, with room for kill grace and summary
+
+
+def _fake_repo(root: Path, *, dryrun: bool, wheels: bool = False) -> Path:
+    """A repo tree with the real gpu_check.sh and e2e script, two workspace packages and no code:
+    the phases' python commands go to a fake interpreter."""
+    (root / "benchmarks").mkdir(parents=True)
+    shutil.copy(GPU_CHECK, root / "benchmarks" / "gpu_check.sh")
+    (root / "tests" / "special_e2e").mkdir(parents=True)
+    e2e = REPO / "tests" / "special_e2e" / "run_flowgrpo_boogu_image.sh"
+    shutil.copy(e2e, root / "tests" / "special_e2e" / e2e.name)
+    for dist in ("pkg-b", "pkg-a"):
+        (root / "packages" / dist / "src" / dist.replace("-", "_")).mkdir(parents=True)
+    if dryrun:
+        (root / "benchmarks" / "gpu_dryrun.py").write_text("")
+    if wheels:
+        (root / ".whl").mkdir()
+        (root / ".whl" / "fake-1.0-py3-none-any.whl").write_text("")
+    return root
+
+
+def _fake_python(path: Path, calls: Path, fail_on: str = "", sleep_on: str = "") -> Path:
+    """An interpreter that records its PYTHONPATH and arguments, fails (rc 3) when its arguments
+    contain ``fail_on``, and sleeps 60 s when they contain ``sleep_on``."""
+    path.write_text(
+        "#!/usr/bin/env bash\n"
+        f'printf "%s\\t%s\\n" "$PYTHONPATH" "$*" >> {shlex.quote(str(calls))}\n'
+        f'if [ -n {shlex.quote(fail_on)} ] && [[ "$*" == *{shlex.quote(fail_on)}* ]]; then exit 3; fi\n'
+        f'if [ -n {shlex.quote(sleep_on)} ] && [[ "$*" == *{shlex.quote(sleep_on)}* ]]; then sleep 60; fi\n'
+        "exit 0\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def _run_gpu_check(repo: Path, out: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("BOOGU_GPU_CHECK_")}
+    env = {**inherited, "OUT": str(out), **env}
+    return subprocess.run(
+        ["bash", str(repo / "benchmarks" / "gpu_check.sh")],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _phases(out: Path) -> dict[str, dict]:
+    summary = json.loads((out / "summary.json").read_text())
+    names = [p["name"] for p in summary["phases"]]
+    assert names == GPU_CHECK_PHASES, names
+    return {p["name"]: p for p in summary["phases"]}
+
+
+def test_gpu_check_a_failing_phase_does_not_stop_the_later_ones(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", dryrun=True)
+    calls = tmp_path / "calls.tsv"
+    python = _fake_python(tmp_path / "python", calls, fail_on="gpu_path.py", sleep_on="gpu_scale.py")
+    env = {
+        "BOOGU_GPU_CHECK_DEVICE": "cpu",
+        "BOOGU_GPU_CHECK_PYTHON": str(python),
+        "BOOGU_GPU_CHECK_TIMEOUT_SCALE": "0.1",  # gpu_scale's 130 s -> 13 s: its 60 s sleep times out
+        "BOOGU_GPU_CHECK_DRYRUN_ARGS": "--cases flow_grpo-t2i",
+        "PYTHONPATH": "/caller/path",
+    }
+    result = _run_gpu_check(repo, tmp_path / "out", env, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    phases = _phases(tmp_path / "out")
+    # gpu_path failed, gpu_scale timed out, and every phase after each ran and passed
+    assert phases["gpu_path"]["ok"] is False and phases["gpu_path"]["rc"] == 3
+    assert phases["gpu_scale"]["ok"] is False and phases["gpu_scale"]["timed_out"] is True
+    assert phases["gpu_scale"]["rc"] == 124 and phases["gpu_scale"]["seconds"] < 30
+    for name in ("env", "e2e_t2i", "e2e_edit", "gpu_dryrun"):
+        assert phases[name]["ok"] is True and phases[name]["skipped"] is False and phases[name]["rc"] == 0, (
+            name
+        )
+    for name in ("install", "vllm_e2e", "vllm_engines"):  # no wheels to install, no vllm on CPU
+        assert phases[name]["skipped"] is True and phases[name]["ok"] is True, name
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as logs:
+        logged = {Path(m).name for m in logs.getnames() if m.endswith(".log")}
+    assert logged == {p["log"] for p in phases.values() if not p["skipped"]}
+    # every python command ran with exactly the workspace's src folders, then the caller's path,
+    # and took its device from BOOGU_GPU_CHECK_DEVICE
+    rows = [line.split("\t", 1) for line in calls.read_text().splitlines()]
+    srcs = ":".join(str(repo / "packages" / d / "src") for d in ("pkg-a", "pkg-b"))
+    assert {path for path, _ in rows} == {f"{srcs}:/caller/path"}
+    commands = [args for _, args in rows]
+    for script in ("gpu_path.py", "gpu_scale.py"):
+        (args,) = [a for a in commands if script in a]
+        assert "--device cpu" in args and "--preset tiny" in args, args
+    (args,) = [a for a in commands if "gpu_dryrun.py" in a]
+    assert "--preset tiny --world-size 1 --json" in args and args.endswith("--cases flow_grpo-t2i"), args
+    assert sum("-m boogu_trainer " in a for a in commands) == 2  # the two e2e runs
+
+
+def test_gpu_check_on_cuda_fits_the_budget_and_skips_a_missing_dryrun(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", dryrun=False, wheels=True)
+    calls = tmp_path / "calls.tsv"
+    python = _fake_python(tmp_path / "python", calls)
+    vllm = _fake_python(tmp_path / "vllm-python", tmp_path / "vllm-calls.tsv")
+    env = {
+        "BOOGU_GPU_CHECK_DEVICE": "cuda",
+        "BOOGU_GPU_CHECK_PYTHON": str(python),
+        "BOOGU_VLLM_PYTHON": str(vllm),
+        "PYTHONPATH": "",
+    }
+    result = _run_gpu_check(repo, tmp_path / "out", env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    phases = _phases(tmp_path / "out")
+    assert phases["gpu_dryrun"]["skipped"] is True and "does not exist" in phases["gpu_dryrun"]["reason"]
+    ran = [p for p in phases.values() if not p["skipped"]]
+    assert [p["name"] for p in ran] == [n for n in GPU_CHECK_PHASES if n != "gpu_dryrun"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["timeout_scale"] == 1 and summary["ok"] is True
+    # every phase that can run, the dry run included, within the budget of one 600 s command
+    dryrun_timeout = 60
+    assert sum(p["timeout_s"] for p in ran) + dryrun_timeout <= GPU_CHECK_BUDGET_S == summary["budget_s"]
+    rows = [line.split("\t", 1) for line in calls.read_text().splitlines()]
+    srcs = ":".join(str(repo / "packages" / d / "src") for d in ("pkg-a", "pkg-b"))
+    (install,) = [args for _, args in rows if "pip install" in args]
+    assert "--no-index" in install and "--target /tmp/site" in install
+    assert {path for path, args in rows if "pip install" not in args} == {f"{srcs}:/tmp/site"}
+    for script in ("gpu_path.py", "gpu_scale.py", "rollout_engines.py"):
+        (args,) = [a for _, a in rows if script in a]
+        assert "--device cuda" in args, args
+    assert "--preset released" in next(a for _, a in rows if "gpu_scale.py" in a)
+    assert any("rollout.engine=vllm_omni" in line for line in calls.read_text().splitlines())
+
+
+def test_gpu_check_refuses_an_unknown_phase_or_device(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", dryrun=False)
+    for env, message in (
+        ({"BOOGU_GPU_CHECK_PHASES": "env,gpu_pth"}, "unknown phase 'gpu_pth'"),
+        ({"BOOGU_GPU_CHECK_DEVICE": "gpu"}, "must be cuda or cpu, got 'gpu'"),
+        ({"BOOGU_GPU_CHECK_TIMEOUT_SCALE": "-1"}, "positive number, got '-1'"),
+    ):
+        result = _run_gpu_check(repo, tmp_path / "out", env, timeout=30)
+        assert result.returncode == 2 and message in result.stderr, (env, result.stderr)
+    # a timeout raised past the budget is refused before any phase runs
+    script = repo / "benchmarks" / "gpu_check.sh"
+    text = script.read_text()
+    assert text.count("[gpu_path]=120 ") == 1
+    script.write_text(text.replace("[gpu_path]=120 ", "[gpu_path]=200 "))
+    result = _run_gpu_check(repo, tmp_path / "out", {}, timeout=30)
+    assert result.returncode == 2 and "sum to 620 s, over the budget of 540 s" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_rehearsal(tmp_path):
+    """The whole check on CPU at the tiny preset, as it runs on the GPU machine (about 2.5 minutes).
+
+    Without gpu_dryrun: at the tiny preset on 2 cores a draft of it took about 40-70 s per case,
+    8 cases, which CI's budget cannot take twice (its own tests run it); here only the flags that
+    gpu_check.sh passes it are checked.
+    """
+    out = tmp_path / "out"
+    env = {
+        "BOOGU_GPU_CHECK_DEVICE": "cpu",
+        "BOOGU_GPU_CHECK_PYTHON": sys.executable,
+        "BOOGU_GPU_CHECK_PHASES": ",".join(n for n in GPU_CHECK_PHASES if n != "gpu_dryrun"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    result = _run_gpu_check(REPO, out, env, timeout=900)
+    phases = _phases(out)
+    assert result.returncode == 0 and all(p["ok"] for p in phases.values()), result.stdout[-6000:]
+    ran = {n for n, p in phases.items() if not p["skipped"]}
+    assert ran == {"env", "gpu_path", "e2e_t2i", "e2e_edit", "gpu_scale"}
+    scale = json.loads((out / "gpu_scale.json").read_text())
+    # the step-time split is the trainer's own time/ phases
+    assert {"time/rollout", "time/train", "time/sync"} <= set(scale["split_s"])
+    assert scale["preset"] == "tiny" and scale["images_per_s"] > 0 and scale["nfe_train_per_image"] > 0
+    assert set(json.loads((out / "gpu_path.json").read_text())["cases"]) == {"rollout", "train_bf16_lora"}
+    dryrun = BENCHMARKS / "gpu_dryrun.py"
+    if dryrun.is_file():
+        source = dryrun.read_text()
+        assert all(f'"{flag}"' in source for flag in ("--preset", "--world-size", "--json"))
