@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
 
         _quiet_libraries()
         world = ns.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        print(plan_memory(config, world_size=world, gpu_memory_gb=ns.gpu_memory).render())
+        try:
+            plan = plan_memory(config, world_size=world, gpu_memory_gb=ns.gpu_memory)
+        except ConfigError as e:  # a batch layout the trainer would refuse on this many ranks
+            print(f"trainer: config error: {e}", file=sys.stderr)
+            return 2
+        print(plan.render())
         return 0
     logging.basicConfig(
         level=os.environ.get("BOOGU_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
@@ -223,6 +228,9 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
 
         with record_collectives(os.environ.get(RECORD_ENV), dist.rank):
             history = trainer.train(progress)
+    except ConfigError as e:  # what only the world size can refuse (`check_world_layout`)
+        print(f"trainer: config error: {e}", file=sys.stderr)
+        return 2
     except TrainingStopped as e:
         print(f"trainer: stopped: {e}", file=sys.stderr)
         return 3

@@ -707,6 +707,38 @@ class TrainerConfig:
         return Path(self.logging.run_dir).expanduser() / self.logging.name
 
 
+def check_world_layout(config: TrainerConfig, world_size: int) -> None:
+    """Refuse a batch layout on ``world_size`` ranks whose update differs from the same recipe on one rank.
+
+    Each rank rolls out a contiguous share of ``data.prompts_per_step`` groups, and the learner puts
+    a group in mini-batch ``global index % mini_batches``, weighting each of a rank's rows by one over
+    that rank's rows in the mini-batch; FSDP then averages the gradients over the ranks. That mean
+    is the one-rank mini-batch mean only when every rank holds the same number of each mini-batch's
+    groups, i.e. when ``mini_batches`` divides the groups per rank (a rank with fewer groups than
+    mini-batches also makes fewer optimizer steps, and ranks with unequal shares run different
+    numbers of micro-batches, whose FSDP collectives then do not pair up). Raises `ConfigError`.
+    """
+    if world_size <= 1:
+        return
+    groups = config.data.prompts_per_step
+    if groups % world_size:
+        raise ConfigError(
+            f"data.prompts_per_step={groups} over {world_size} ranks: expected a multiple of {world_size} "
+            "(each rank rolls out an equal share of the prompt groups)"
+        )
+    per_rank = groups // world_size
+    mini_batches = config.algorithm.mini_batches
+    if per_rank % mini_batches:
+        allowed = ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0)
+        raise ConfigError(
+            f"algorithm.mini_batches={mini_batches} with data.prompts_per_step={groups} over {world_size} "
+            f"ranks ({per_rank} groups per rank): expected algorithm.mini_batches to divide the groups per "
+            f"rank (one of {allowed}), or data.prompts_per_step a multiple of {world_size * mini_batches} "
+            f"({world_size} ranks x {mini_batches} mini-batches); otherwise the ranks hold unequal shares "
+            "of a mini-batch and the update differs from the same recipe on one rank"
+        )
+
+
 RESUME_FREE_KEYS: tuple[str, ...] = (
     "total_steps",
     "resume",

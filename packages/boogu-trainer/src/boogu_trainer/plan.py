@@ -46,6 +46,7 @@ __all__ = [
     "PhaseMemory",
     "fused_attention_stand_in",
     "plan_memory",
+    "train_micro_batch_rows",
     "transformer_activation_bytes",
     "vae_decode_bytes",
 ]
@@ -419,6 +420,20 @@ def _folder_configs(root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
     return dict(RELEASED_CONFIG), dict(RELEASED_VAE_CONFIG), RELEASED_MLLM_CONFIG, note
 
 
+def train_micro_batch_rows(config: Any, world_size: int = 1) -> int:
+    """Samples (rows) of one rank's largest training micro-batch, cut as the learner cuts them.
+
+    The learner's mini-batches hold whole groups: a rank's groups (contiguous global indices) go to
+    mini-batch ``index % m`` with ``m = min(algorithm.mini_batches, groups)``, so the largest holds
+    ``ceil(groups / m)`` groups of ``group_size`` rows; ``algorithm.train_micro_batch_size`` then cuts
+    it into chunks of at most that many rows (0: the whole mini-batch).
+    """
+    a = config.algorithm
+    groups = max(config.data.prompts_per_step // world_size, 1)
+    largest = -(-groups // min(a.mini_batches, groups)) * a.group_size
+    return min(a.train_micro_batch_size, largest) if a.train_micro_batch_size else largest
+
+
 def plan_memory(
     config: Any,
     *,
@@ -437,8 +452,10 @@ def plan_memory(
     (x2 with CFG).
     """
     from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
-    from boogu_trainer.config import resolved_model_dtype
+    from boogu_trainer.config import check_world_layout, resolved_model_dtype
 
+    # A layout the trainer refuses at start-up has no plan (and the groups per rank below assume it).
+    check_world_layout(config, world_size)
     m = config.model
     if m.path:
         root = Path(m.path).expanduser()
@@ -497,8 +514,7 @@ def plan_memory(
                 per_rank * levels * latent
             )
     rollout_items = config.rollout.micro_batch_size or per_rank
-    mini = max(per_rank // config.algorithm.mini_batches, 1)
-    train_items = config.algorithm.train_micro_batch_size or mini
+    train_items = train_micro_batch_rows(config, world_size)
 
     def act(train: bool, mdl: nn.Module) -> Callable[[int], int]:
         return lambda n: transformer_activation_bytes(
