@@ -74,6 +74,33 @@ def test_weighted_sum_and_per_reward_normalisation():
     assert bool(nan_b.finite.all())  # a weight-0 reward is a metric: its NaNs drop nothing
 
 
+@pytest.mark.parametrize("per_reward_normalization", [True, False])
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_weight_zero_rewards_never_enter_the_advantage(per_reward_normalization, scope):
+    # A metric-only reward (weight 0) with a NaN, and one that varies inside a group whose
+    # weighted rewards are all equal: the advantages, rewards and zero-std share are exactly
+    # those computed without the metric.
+    gid = torch.tensor([0, 0, 0, 1, 1, 1])
+    a = torch.tensor([0.0, 1.0, 3.0, 2.0, 2.0, 2.0])
+    b = torch.tensor([1.0, 0.0, 4.0, 5.0, 5.0, 5.0])
+    metric = torch.tensor([0.3, float("nan"), 0.1, 0.0, 1.0, 2.0])
+    opts = dict(std_scope=scope, per_reward_normalization=per_reward_normalization)
+    without = compute_advantages({"a": a, "b": b}, {"a": 1.0, "b": 0.5}, gid, **opts)
+    with_metric = compute_advantages(
+        {"a": a, "m": metric, "b": b}, {"a": 1.0, "m": 0.0, "b": 0.5}, gid, **opts
+    )
+    assert bool(torch.isfinite(with_metric.advantages).all()), with_metric.advantages
+    torch.testing.assert_close(with_metric.advantages, without.advantages, rtol=0, atol=0)
+    torch.testing.assert_close(with_metric.rewards, without.rewards, rtol=0, atol=0)
+    assert with_metric.finite.all() and with_metric.zero_std_ratio == without.zero_std_ratio == 0.5
+    # One weighted reward beside a metric is one reward: the plain normalisation of ``a``.
+    alone = compute_advantages({"a": a}, {"a": 1.0}, gid, std_scope=scope)
+    one = compute_advantages({"a": a, "m": metric}, {"a": 1.0, "m": 0.0}, gid, **opts)
+    torch.testing.assert_close(one.advantages, alone.advantages, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="every reward weight is 0"):
+        compute_advantages({"m": metric}, {"m": 0.0}, gid, **opts)
+
+
 @given(st.lists(st.floats(-3, 3), min_size=2, max_size=8), st.floats(1e-4, 0.2), st.integers(0, 2**31))
 def test_policy_loss_on_policy_is_minus_mean_advantage(advs, clip, seed):
     a = torch.tensor(advs)

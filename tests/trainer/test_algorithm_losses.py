@@ -12,9 +12,17 @@ import math
 import pytest
 import torch
 
-from boogu_schedule import flow_target, forward_noise
+from boogu_schedule import Sampler, flow_target, forward_noise, sde_step
 from boogu_trainer.config import FORWARD_OPTIONS_KEYS, ConfigError, NftConfig, load_config
-from boogu_trainer.losses import awm_log_prob, awm_loss, grpo_guard_loss, nft_loss, policy_loss, velocity_kl
+from boogu_trainer.losses import (
+    awm_log_prob,
+    awm_loss,
+    grpo_guard_loss,
+    nft_loss,
+    policy_loss,
+    ratio_norm_bias,
+    velocity_kl,
+)
 
 
 def _batch(b=4, seed=0):
@@ -113,6 +121,65 @@ def test_grpo_guard_is_ratio_one_on_policy_and_centres_the_log_ratio():
     out = grpo_guard_loss(logp(mean_new), logp(mean_old), mean_new, mean_old, std, dt, adv, 2e-6)
     torch.testing.assert_close(out.metrics["ratio_mean"], torch.tensor(1.0))
     assert float(out.metrics["guard/raw_ratio_mean"]) < 1.0  # the bias GRPO-Guard corrects
+
+
+def _log_prob(sampler: Sampler, x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """Per-sample log-prob as the rollout scores it, float64: cps's unnormalised ``-mean((x - mu)^2)``,
+    the Gaussian log-density (per element, averaged) for the SDE samplers."""
+    if sampler is Sampler.CPS:
+        return -(x - mean).pow(2).mean(dim=1)
+    return (-(x - mean).pow(2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).mean(dim=1)
+
+
+def test_the_rollout_scores_cps_unnormalised_and_flow_sde_gaussian():
+    # The two log-prob forms the Monte Carlo test below relies on are the ones sde_step returns.
+    g = torch.Generator().manual_seed(3)
+    x, v = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    for sampler in (Sampler.CPS, Sampler.FLOW_SDE):
+        step = sde_step(sampler, x, v, 0.6, 0.5, 0.8, g)
+        std = float(step.std.flatten()[0])
+        expected = _log_prob(sampler, step.prev_sample.double(), step.mean.double(), std)
+        torch.testing.assert_close(step.log_prob.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampler", [Sampler.CPS, Sampler.FLOW_SDE])
+def test_ratio_norm_centres_the_log_ratio_under_the_old_kernel(sampler):
+    """Monte Carlo, float64: draw x' = mu_old + s eps from the old kernel many times; the RatioNorm'd
+    log-ratio ``(log p - log p_old + b) * s`` has mean 0 (within 4 standard errors) with the
+    sampler's own bias, and not with the other form's (the Gaussian one is what cps used to get)."""
+    n, d, s = 40_000, 16, 0.3
+    g = torch.Generator().manual_seed(7)
+    mean_old = torch.randn(1, d, generator=g, dtype=torch.float64).expand(n, d)
+    mean = mean_old + 0.1 * torch.randn(1, d, generator=g, dtype=torch.float64).expand(n, d)
+    x = mean_old + s * torch.randn(n, d, generator=g, dtype=torch.float64)
+    std = torch.full((n,), s, dtype=torch.float64)
+    log_ratio = _log_prob(sampler, x, mean, s) - _log_prob(sampler, x, mean_old, s)
+
+    def centred(kind: Sampler) -> tuple[float, float]:
+        normed = (log_ratio + ratio_norm_bias(mean, mean_old, std, kind)) * s
+        return float(normed.mean()), float(normed.std() / math.sqrt(n))
+
+    m, se = centred(sampler)
+    assert abs(m) < 4 * se, (sampler, m, se)
+    # Falsifiable: the raw log-ratio is biased, and the other sampler's correction misses.
+    assert abs(float(log_ratio.mean()) * s) > 20 * se
+    other = Sampler.FLOW_SDE if sampler is Sampler.CPS else Sampler.CPS
+    m_other, _ = centred(other)
+    assert abs(m_other) > 20 * se, (other, m_other, se)
+    # grpo_guard_loss uses the same correction: its ratio is exp of the centred log-ratio.
+    out = grpo_guard_loss(
+        _log_prob(sampler, x, mean, s),
+        _log_prob(sampler, x, mean_old, s),
+        mean,
+        mean_old,
+        std,
+        torch.full((n,), -0.1, dtype=torch.float64),
+        torch.ones(n, dtype=torch.float64),
+        2e-6,
+        sampler=sampler,
+    )
+    expected = torch.exp((log_ratio + ratio_norm_bias(mean, mean_old, std, sampler)) * s).mean()
+    torch.testing.assert_close(out.metrics["ratio_mean"], expected)
 
 
 def test_grpo_guard_matches_ppo_clip_direction():

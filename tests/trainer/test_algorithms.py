@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from boogu_schedule import Sampler
+from boogu_trainer import learner as learner_module
 from boogu_trainer.config import FORWARD_OPTIONS_KEYS, demo_config, load_config
 from boogu_trainer.data import demo_records
 from boogu_trainer.distributed import local_tensor
@@ -109,6 +111,23 @@ def test_forward_equivalents_per_phase_and_cumulative(tiny_checkpoint, tmp_path)
     assert first["cum/tflops"] == pytest.approx(first["perf/tflops"], rel=1e-12) and first["perf/tflops"] > 0
     assert second["cum/tflops"] == pytest.approx(first["perf/tflops"] + second["perf/tflops"], rel=1e-12)
     assert second["cum/time_s"] == pytest.approx(first["time/step"] + second["time/step"], rel=1e-12)
+
+
+def test_grpo_guard_corrects_for_the_rollouts_sampler(tiny_checkpoint, tmp_path, monkeypatch):
+    # RatioNorm's bias depends on how the rollout scored its log-probs (cps: unnormalised, no
+    # 1/(2 s^2)): the learner must hand the trajectory's sampler to the loss, not the default.
+    seen = []
+    real = learner_module.grpo_guard_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("sampler"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "grpo_guard_loss", spy)
+    cfg = make(tiny_checkpoint, tmp_path, "algorithm.loss=grpo_guard", "sampler.sampler=cps", "total_steps=1")
+    history = Trainer(cfg).train()
+    assert math.isfinite(history[0]["loss"])
+    assert seen and all(s is not None and Sampler(s) is Sampler.CPS for s in seen), seen
 
 
 @pytest.mark.slow

@@ -208,6 +208,23 @@ def test_reward_labels_default_to_the_name_and_must_differ():
             load_config(None, [f"reward.rewards={rewards}"])
 
 
+def test_all_zero_reward_weights_are_refused_at_load_time():
+    # Weight-0 rewards are metrics only: a run needs at least one reward that trains.
+    for rewards in (
+        "[{name: demo_brightness, weight: 0}]",
+        "[{name: demo_brightness, weight: 0.0}, {name: demo_contrast, weight: 0}]",
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"^reward\.rewards\[\*\]\.weight=.*expected at least one reward with a nonzero weight",
+        ):
+            load_config(None, [f"reward.rewards={rewards}"])
+    c = load_config(
+        None, ["reward.rewards=[{name: demo_brightness, weight: 0}, {name: demo_contrast, weight: -1}]"]
+    )
+    assert [r.weight for r in c.reward.rewards] == [0.0, -1.0]
+
+
 def test_reward_name_and_options_are_checked_at_load_time(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["reward.rewards=[{name: ocr, kwargs: {min_confidence: 0.3, nope: 1}}]"])

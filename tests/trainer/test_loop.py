@@ -249,6 +249,45 @@ def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoi
     assert all(torch.equal(saved.lora[k], before[k]) for k in before)
 
 
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_stop_mid_step_keeps_the_committed_checkpoint_of_the_step_before(tiny_checkpoint, tmp_path):
+    # Step 1 is committed; in step 2 the update makes the LoRA non-finite (the lr is raised to
+    # overflow after step 1), is undone, and the run stops with a checkpoint. By then the data position,
+    # the RNG, the counters and AdamW's moments belong to step 2: writing them as step 1 would replace
+    # the committed state with one that no straight run ever had.
+    cfg = small_config(tiny_checkpoint, tmp_path / "a", "checkpoint.save_every=1", "total_steps=3")
+    step1 = tmp_path / "a" / "run" / "checkpoints" / "step_000001"
+    committed = tmp_path / "committed" / "step_000001"
+
+    def after_step(step, record):
+        if step == 1:
+            shutil.copytree(step1, committed)
+            for group in trainer.learner.optimizer.param_groups:
+                group["lr"] = 3e37
+
+    trainer = Trainer(cfg)
+    with pytest.raises(TrainingStopped, match="non-finite") as stopped:
+        trainer.train(progress=after_step)
+    assert trainer.learner.counters["optimizer_steps"] > 2  # step 2's update ran and was undone
+    assert str(step1) in str(stopped.value)
+    assert _files(step1) == _files(committed)
+    assert [s for s, _ in checkpoint_folders(step1.parent)] == [1]
+
+    def resumed(folder, run_dir):
+        t = Trainer(small_config(tiny_checkpoint, run_dir, f"resume={folder}", "total_steps=2"))
+        assert t.resume(str(folder)) is not None and t.step == 1
+        return t, t.train()
+
+    after, after_history = resumed(step1, tmp_path / "b")
+    before, before_history = resumed(committed, tmp_path / "c")
+    assert after_history[-1]["reward/mean"] == before_history[-1]["reward/mean"]
+    a, b = lora_of(after), lora_of(before)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_inner_epochs_take_one_optimizer_step_per_mini_batch_and_epoch(tiny_checkpoint, tmp_path):
     one = Trainer(small_config(tiny_checkpoint, tmp_path / "a", "total_steps=1", "checkpoint.save_every=0"))
     two = Trainer(

@@ -4,7 +4,8 @@ For sample i of group g: ``A_i = (R_i - mean_g) / (std + eps)``, clamped to ``[-
 where ``std`` is the group's or the whole batch's (the reference's ``global_std=True``). The same
 advantage applies to every window step of the sample. Samples with a non-finite reward get
 advantage 0 and are left out of every statistic; groups whose (finite) rewards are all equal
-carry no signal: they are counted in ``zero_std_ratio`` and get advantage 0 exactly.
+carry no signal: they are counted in ``zero_std_ratio`` and get advantage 0 exactly. A weight-0
+reward is a logged metric only: the advantage is exactly the one computed without it.
 """
 
 from __future__ import annotations
@@ -102,18 +103,23 @@ def compute_advantages(
     stacked = torch.stack([rewards[n].float().cpu() for n in names])  # (R, B)
     group_id = group_id.cpu().long()
     w = torch.tensor([float(weights[n]) for n in names], dtype=torch.float32)
-    # A weight-0 reward is a metric: its failures do not drop samples.
-    finite = (
-        torch.isfinite(stacked[w != 0]).all(dim=0)
-        if bool((w != 0).any())
-        else torch.ones(stacked.shape[1], dtype=torch.bool)
-    )
+    # A weight-0 reward is a logged metric only: it is left out of everything below (the finite
+    # mask, the sum, the per-reward normalisation), so its NaNs can neither drop samples nor
+    # reach an advantage as 0 * NaN. The advantage is the one computed without it.
+    active = [i for i in range(len(names)) if w[i] != 0]
+    if not active:
+        raise ValueError(
+            f"compute_advantages: every reward weight is 0 ({dict(weights)}); "
+            "expected at least one reward with a nonzero weight"
+        )
+    stacked, w = stacked[active], w[active]
+    finite = torch.isfinite(stacked).all(dim=0)
     total = (w[:, None] * torch.where(torch.isfinite(stacked), stacked, torch.zeros_like(stacked))).sum(0)
     total = torch.where(finite, total, torch.full_like(total, float("nan")))
     opts = dict(std_scope=std_scope, normalize_std=normalize_std, eps=eps)
-    if per_reward_normalization and len(names) > 1:
+    if per_reward_normalization and len(active) > 1:
         parts, zero = [], None
-        for i in range(len(names)):
+        for i in range(len(active)):
             a_i, z_i = normalize_in_groups(stacked[i], finite, group_id, **opts)
             parts.append(w[i] * a_i)
             zero = z_i if zero is None else zero & z_i

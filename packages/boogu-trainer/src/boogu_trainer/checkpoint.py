@@ -340,6 +340,23 @@ class Checkpointer:
         self.prune(keep=final)
         return final
 
+    def committed(self, step: int) -> Path | None:
+        """This run's intact checkpoint of ``step``, or None. Decided on rank 0, the same on every rank.
+
+        A stop in the middle of step ``k + 1`` asks for step ``k``'s: if it exists it is exactly the
+        state a resume needs, and it must not be replaced by the stop's mid-step state.
+        """
+        found: Path | None = None
+        if self.dist.is_main:
+            folder = self.root / step_dir_name(step)
+            if (
+                (folder / COMPLETE).is_file()
+                and run_id_of(folder) == self.run_id
+                and verify_checkpoint(folder) is None
+            ):
+                found = folder
+        return self.dist.broadcast_object(found, f"find the committed checkpoint of step {step}")
+
     def prune(self, keep: Path | None = None) -> list[Path]:
         """Delete this run's checkpoints beyond the newest ``keep_last``; other runs' are never touched,
         nor the one ``best.json`` names."""

@@ -470,6 +470,13 @@ class RewardConfig:
         _check(len(self.rewards) >= 1, "reward.rewards", self.rewards, "at least one reward")
         _check(self.max_nonfinite_steps >= 1, "reward.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
         _check_reward_specs(self.rewards, "reward.rewards")
+        # Weight-0 rewards are logged metrics only and never enter the advantage: with every
+        # weight 0 there is nothing to train on, and every advantage would be 0.
+        if all(spec.weight == 0 for spec in self.rewards):
+            raise ConfigError(
+                f"reward.rewards[*].weight={tuple(spec.weight for spec in self.rewards)!r}: expected at least "
+                "one reward with a nonzero weight (a weight-0 reward is a logged metric only)"
+            )
 
 
 def _check_reward_specs(specs: tuple[RewardSpec, ...], key: str) -> None:

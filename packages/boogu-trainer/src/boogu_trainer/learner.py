@@ -276,6 +276,7 @@ class Learner:
                         dt,
                         chunk_advantages,
                         a.clip_range,
+                        sampler=traj.sampler,
                     )
                 else:
                     pl = policy_loss(stats.log_prob, old, chunk_advantages, a.clip_range)

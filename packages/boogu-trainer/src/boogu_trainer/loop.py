@@ -472,7 +472,7 @@ class Trainer:
         """Count skipped updates; stop (with a checkpoint of the last good weights) when it is hopeless."""
         cfg = self.config
         if not update.weights_finite:
-            path = self.save(step=self.step)
+            path = self._save_for_stop()
             raise TrainingStopped(
                 f"step {self.step + 1}: the update made the LoRA weights non-finite (check optim.lr="
                 f"{cfg.optim.lr:g} and the rewards); it was undone and the last good weights are saved in {path}"
@@ -484,12 +484,23 @@ class Trainer:
         self.learner.counters["skipped_updates"] += 1
         logger.warning("step %d: non-finite rewards or loss; the update was skipped", self.step + 1)
         if self.nonfinite_streak >= cfg.reward.max_nonfinite_steps:
-            path = self.save(step=self.step)
+            path = self._save_for_stop()
             raise TrainingStopped(
                 f"{self.nonfinite_streak} consecutive steps had non-finite rewards or losses "
                 f"(reward.max_nonfinite_steps={cfg.reward.max_nonfinite_steps}); the last good state is "
                 f"saved in {path}. Check the reward functions (metrics.jsonl has per-reward stats)."
             )
+
+    def _save_for_stop(self) -> Path:
+        """The checkpoint a stop in the middle of step ``k + 1`` leaves (``k = self.step``).
+
+        The state now is not step k's: the data position, the RNG and the counters have moved on to
+        step k + 1, and an undone update has already moved AdamW's moments. So a committed checkpoint
+        of step k is kept untouched and named. Only when there is none is the state now written as
+        step k, because it is the only copy of the last good weights.
+        """
+        committed = self.checkpointer.committed(self.step)
+        return committed if committed is not None else self.save(step=self.step)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _open_metrics(self) -> MetricsLogger:

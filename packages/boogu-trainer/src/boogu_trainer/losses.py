@@ -92,6 +92,29 @@ def policy_loss(
     return PolicyLoss(loss=loss, metrics=ratio_metrics(ratio, log_ratio, clip_range))
 
 
+def ratio_norm_bias(
+    mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor, sampler: Sampler | str
+) -> torch.Tensor:
+    """(b,) ``-E_old[log p - log p_old]``: the bias below 0 of one step's log-ratio that RatioNorm removes.
+
+    With ``x' = mu_old + s eps`` drawn from the old kernel and ``d = mu - mu_old``:
+
+    * Gaussian log-densities (``flow_sde``, ``dance_sde``; and the reference's RatioNorm):
+      ``log p - log p_old = -mean((x' - mu)^2 - (x' - mu_old)^2) / (2 s^2) = -mean(d^2 - 2 s eps d) / (2 s^2)``,
+      expectation ``-mean(d^2) / (2 s^2)``;
+    * ``cps``, scored with Flow-CPS's unnormalised ``log p = -mean((x' - mu)^2)`` (`boogu_schedule.sde_step`'s
+      ``cps_log_prob="reference"``, the one the trainer uses): the same difference without the
+      ``1 / (2 s^2)``, expectation ``-mean(d^2)``. The Gaussian bias would over-correct by
+      ``1 / (2 s^2)`` (x50 at ``s = 0.1``) and push every ratio above 1.
+
+    ``mean``, ``old_mean``: (b, C, h, w); ``std``: (b,) the transition's total std.
+    """
+    sq = (mean - old_mean.detach()).pow(2).mean(dim=tuple(range(1, mean.dim())))
+    if Sampler(sampler) is Sampler.CPS:
+        return sq
+    return sq / (2 * std.reshape(-1).pow(2))
+
+
 def grpo_guard_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -101,23 +124,24 @@ def grpo_guard_loss(
     dt: torch.Tensor,
     advantages: torch.Tensor,
     clip_range: float,
+    sampler: Sampler | str = Sampler.FLOW_SDE,
 ) -> PolicyLoss:
     """GRPO-Guard for one window step: RatioNorm, then PPO-clip reweighted by ``1/|dt|``.
 
     Per sample, with ``s`` the transition's total std (``sigma_t sqrt(-dt)``)::
 
-        b     = mean((mu - mu_old)^2) / (2 s^2)       # minus the mean log-ratio under the old policy
+        b     = ratio_norm_bias(...)                  # mean((mu - mu_old)^2) / (2 s^2); cps: no 1/(2 s^2)
         rho   = exp((log p - log p_old + b) * s)      # centred, and scaled to a comparable spread per step
         loss  = mean(max(-A rho, -A clamp(rho, 1 - eps, 1 + eps)) / |dt|)
 
-    ``mean``, ``old_mean``: (b, C, h, w) float32; ``std``, ``dt``, the log-probs, ``advantages``: (b,).
+    ``mean``, ``old_mean``: (b, C, h, w) float32; ``std``, ``dt``, the log-probs, ``advantages``: (b,);
+    ``sampler``: the rollout's (`Trajectory.sampler`), which fixes how the log-probs were scored.
     Per sample rather than with batch means (verl-omni's ``GRPOGuardLoss`` averages ``s`` and ``dt``
     over the micro-batch): samples of one micro-batch may sit at different steps of their windows.
     On-policy (``mu = mu_old``) ``rho`` is exactly 1, as for PPO-clip.
     """
-    dims = tuple(range(1, mean.dim()))
     s = std.reshape(-1)
-    bias = (mean - old_mean.detach()).pow(2).mean(dim=dims) / (2 * s.pow(2))
+    bias = ratio_norm_bias(mean, old_mean, std, sampler)
     log_ratio = log_prob - old_log_prob.detach()
     ratio = torch.exp((log_ratio + bias) * s)
     unclipped = -advantages * ratio
