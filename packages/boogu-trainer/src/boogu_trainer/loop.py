@@ -40,7 +40,13 @@ from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
-from boogu_trainer.config import ConfigError, TrainerConfig, config_to_dict, resolved_model_dtype
+from boogu_trainer.config import (
+    ConfigError,
+    TrainerConfig,
+    check_world_layout,
+    config_to_dict,
+    resolved_model_dtype,
+)
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
 from boogu_trainer.distributed import DistEnv, shard_transformer
 from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker
@@ -131,6 +137,8 @@ class Trainer:
                 "the gradients over the ranks, so each rank would train its own LoRA and only rank 0's would "
                 "be saved. Use distributed.fsdp=true (the default), or run on one rank"
             )
+        # Before any folder or weight: a rank layout whose mini-batches differ from one rank's.
+        check_world_layout(config, self.dist.world_size)
         enable_tf32(config, self.device)
         self.config, self.run_note = ckpt.resolve_run_folder(config, self.dist)
         config = self.config
