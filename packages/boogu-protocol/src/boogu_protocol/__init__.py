@@ -109,26 +109,29 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """A cheap, order-independent checksum of LoRA tensors (per key: sum, abs-sum and square-sum in
-    float64, hashed with the key and shape). One device-to-host copy for the whole state.
+    """A hash of LoRA tensors' exact contents: per key, in sorted key order, the key, the dtype, the
+    shape and the bytes of a contiguous CPU copy (sha256, first 16 hex digits).
 
-    The trainer fingerprints what it sends and the worker what it loaded: equal fingerprints mean
-    the rollout samples with the weights the trainer trained.
+    The trainer fingerprints what it sends (on its device, often CUDA) and the worker what it loaded
+    (CPU copies): equal fingerprints mean the rollout samples with the weights the trainer trained.
+    Only canonical bytes give that: a float sum depends on the reduction order, which changes with
+    the memory layout (a transposed copy) and with the device's kernels, so equal tensors could
+    disagree. Each field is length-prefixed, so no two different states hash the same bytes.
     """
-    keys = sorted(state)
-    if not keys:
-        return hashlib.sha256(b"").hexdigest()[:16]
-    stats = torch.stack(
-        [
-            torch.stack([t.double().sum(), t.double().abs().sum(), t.double().pow(2).sum()])
-            for t in (state[k].detach() for k in keys)
-        ]
-    ).cpu()
     h = hashlib.sha256()
-    for key, row in zip(keys, stats, strict=True):
-        h.update(key.encode())
-        h.update(row.numpy().tobytes())
-        h.update(str(tuple(state[key].shape)).encode())
+
+    def field(data: bytes) -> None:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+
+    for key in sorted(state):
+        # The copy to the CPU happens here, whatever the caller's device: one byte order on both sides.
+        tensor = state[key].detach().to("cpu").contiguous()
+        field(key.encode())
+        field(str(tensor.dtype).encode())
+        field(str(tuple(tensor.shape)).encode())
+        # view(uint8) reinterprets the storage (bfloat16 too, which numpy has no type for).
+        field(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
