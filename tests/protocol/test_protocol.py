@@ -97,10 +97,16 @@ def test_rollout_spec_validates_each_field_by_name():
         "extra": (spec(extra={"eta": 1}), r"spec.extra is reserved"),
         "offset": (spec(group_offset=-1), "spec.group_offset must be an int >= 0"),
         "decode": (spec(decode="yes"), "spec.decode must be true or false"),
+        "micro batch": (spec(micro_batch_size=-1), "spec.micro_batch_size must be an int >= 0"),
+        "micro batch type": (spec(micro_batch_size=2.0), "spec.micro_batch_size must be an int >= 0"),
     }
     for data, message in cases.values():
         with pytest.raises(ProtocolError, match=message):
             RolloutSpec.from_json(data)
+    assert RolloutSpec.from_json(spec(micro_batch_size=3)).micro_batch_size == 3
+    old_spec = spec()
+    del old_spec["micro_batch_size"]  # a trainer from before the field: the whole request at once
+    assert RolloutSpec.from_json(old_spec).micro_batch_size == 0
     missing = spec()
     del missing["seed"]
     with pytest.raises(ProtocolError, match=r"lacks the fields \['seed'\]"):

@@ -194,6 +194,9 @@ class RolloutSpec:
     group_offset: int = 0
     iteration: int = 0
     decode: bool = True
+    micro_batch_size: int = 0
+    """At most this many samples per transformer call and per VAE decode (the trainer's
+    ``rollout.micro_batch_size``); 0 = every sample of the request in one call, as before this field."""
     protocol: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -260,6 +263,7 @@ class RolloutSpec:
             "seed": (int, lambda v: True, "an int"),
             "group_offset": (int, lambda v: v >= 0, "an int >= 0"),
             "iteration": (int, lambda v: v >= 0, "an int >= 0"),
+            "micro_batch_size": (int, lambda v: v >= 0, "an int >= 0 (0 = the whole request at once)"),
         }
         for name, (types, ok, expected) in checks.items():
             value = data.get(name, 0)
