@@ -116,7 +116,7 @@ def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     (CPU copies): equal fingerprints mean the rollout samples with the weights the trainer trained.
     Only canonical bytes give that: a float sum depends on the reduction order, which changes with
     the memory layout (a transposed copy) and with the device's kernels, so equal tensors could
-    disagree. Each field is length-prefixed, so no two different states hash the same bytes.
+    disagree. Each field is length-prefixed, so no two different states feed the hash the same bytes.
     """
     h = hashlib.sha256()
 
