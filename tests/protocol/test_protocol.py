@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from typing import ClassVar
 
 import pytest
 import torch
@@ -96,10 +97,16 @@ def test_rollout_spec_validates_each_field_by_name():
         "extra": (spec(extra={"eta": 1}), r"spec.extra is reserved"),
         "offset": (spec(group_offset=-1), "spec.group_offset must be an int >= 0"),
         "decode": (spec(decode="yes"), "spec.decode must be true or false"),
+        "micro batch": (spec(micro_batch_size=-1), "spec.micro_batch_size must be an int >= 0"),
+        "micro batch type": (spec(micro_batch_size=2.0), "spec.micro_batch_size must be an int >= 0"),
     }
     for data, message in cases.values():
         with pytest.raises(ProtocolError, match=message):
             RolloutSpec.from_json(data)
+    assert RolloutSpec.from_json(spec(micro_batch_size=3)).micro_batch_size == 3
+    old_spec = spec()
+    del old_spec["micro_batch_size"]  # a trainer from before the field: the whole request at once
+    assert RolloutSpec.from_json(old_spec).micro_batch_size == 0
     missing = spec()
     del missing["seed"]
     with pytest.raises(ProtocolError, match=r"lacks the fields \['seed'\]"):
@@ -118,6 +125,77 @@ def test_lora_fingerprint_is_order_free_and_sees_every_change():
     from boogu_adapters.lora import lora_fingerprint as trainer_side
 
     assert trainer_side is lora_fingerprint  # one algorithm on both sides of a sync
+
+
+def test_lora_fingerprint_hashes_values_not_memory_layout():
+    """Equal tensors fingerprint equal whatever their strides: a float sum reduced in another order
+    (a transposed copy) differs in the last bits, which failed the sync check on equal weights."""
+    torch.manual_seed(0)
+    # LoRA shapes (rank 4 on a 3072-wide layer); the old float64 sums differed here by ~2e-12.
+    a, b = torch.randn(4, 3072), torch.randn(3072, 4)
+    for name, t in (("m.lora_A.weight", a), ("m.lora_B.weight", b)):
+        transposed = t.t().contiguous().t()  # the same values, column-major
+        assert not transposed.is_contiguous() and torch.equal(transposed, t)
+        assert lora_fingerprint({name: transposed}) == lora_fingerprint({name: t}), name
+    wide = torch.randn(64, 96)
+    sliced = wide[:, ::2]  # a strided view
+    assert not sliced.is_contiguous()
+    assert lora_fingerprint({"k": sliced}) == lora_fingerprint({"k": sliced.clone()})
+    bf16 = a.to(torch.bfloat16)
+    assert lora_fingerprint({"k": bf16.t().contiguous().t()}) == lora_fingerprint({"k": bf16})
+
+
+def test_lora_fingerprint_sees_name_dtype_shape_and_every_element():
+    torch.manual_seed(0)
+    a = torch.randn(4, 6)
+    base = lora_fingerprint({"m.lora_A.weight": a})
+    assert lora_fingerprint({"n.lora_A.weight": a}) != base
+    assert lora_fingerprint({"m.lora_A.weight": a.reshape(6, 4)}) != base  # same bytes, other shape
+    assert lora_fingerprint({"m.lora_A.weight": a.double()}) != base
+    halves = torch.tensor([1.0, -2.0, 0.5])  # exactly representable: bfloat16 and float16 hold equal values
+    assert lora_fingerprint({"k": halves.bfloat16()}) != lora_fingerprint({"k": halves.half()})
+    for i in range(a.numel()):
+        changed = a.clone()
+        changed.view(-1)[i] = torch.nextafter(changed.view(-1)[i], torch.tensor(float("inf")))
+        assert lora_fingerprint({"m.lora_A.weight": changed}) != base, f"element {i}: one ulp up"
+    # Two values swapped keep every order-free sum; the bytes differ.
+    swapped = a.clone()
+    swapped[0, 0], swapped[0, 1] = a[0, 1], a[0, 0]
+    assert lora_fingerprint({"m.lora_A.weight": swapped}) != base
+
+
+class _DeviceLog(torch.Tensor):
+    """A CPU tensor that records the ``.to`` calls made on it (a stand-in for a CUDA tensor, which a
+    CPU-only run cannot make): the fingerprint must copy each tensor to the CPU, so a trainer's CUDA
+    tensor and the worker's CPU copy hash the same bytes."""
+
+    calls: ClassVar[list[tuple]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            cls.calls.append((args[1:], dict(kwargs or {})))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_lora_fingerprint_copies_each_tensor_to_the_cpu():
+    torch.manual_seed(0)
+    plain = {"m.lora_A.weight": torch.randn(3, 5), "m.lora_B.weight": torch.randn(5, 3)}
+    logged = {k: v.clone().as_subclass(_DeviceLog) for k, v in plain.items()}
+    _DeviceLog.calls.clear()
+    assert lora_fingerprint(logged) == lora_fingerprint(plain)
+    to_cpu = [call for call in _DeviceLog.calls if "cpu" in call[0] or call[1].get("device") == "cpu"]
+    assert len(to_cpu) == len(plain), _DeviceLog.calls
+
+
+@pytest.mark.gpu
+def test_lora_fingerprint_is_the_same_on_cuda_and_cpu():
+    if not torch.cuda.is_available():
+        pytest.fail("marked gpu: needs a CUDA device")
+    torch.manual_seed(0)
+    state = {"m.lora_A.weight": torch.randn(64, 48), "m.lora_B.weight": torch.randn(48, 64).bfloat16()}
+    on_cuda = {k: v.cuda().t().contiguous().t() for k, v in state.items()}
+    assert lora_fingerprint(on_cuda) == lora_fingerprint(state)
 
 
 def test_vllm_engine_config_is_checked_by_name():

@@ -91,6 +91,8 @@ class VllmOmniRolloutEngine:
         log_path: where a launched worker's stdout and stderr go (default: a temporary file).
         peft_config: the trainer's LoRA settings (``r``, ``lora_alpha``, ``target_modules``), sent
             with every sync so the worker builds the same adapter.
+        micro_batch_size: at most this many latents per transformer call and per VAE decode in the
+            worker (``rollout.micro_batch_size``, sent with every request; 0 = the whole request).
     """
 
     def __init__(
@@ -107,7 +109,15 @@ class VllmOmniRolloutEngine:
         request_timeout_s: float = 1800.0,
         log_path: str | os.PathLike[str] | None = None,
         peft_config: Mapping[str, Any] | None = None,
+        micro_batch_size: int = 0,
     ):
+        if (
+            isinstance(micro_batch_size, bool)
+            or not isinstance(micro_batch_size, int)
+            or micro_batch_size < 0
+        ):
+            raise ValueError(f"micro_batch_size must be an int >= 0 (0 = no split), got {micro_batch_size!r}")
+        self.micro_batch_size = micro_batch_size
         self.peft_config = dict(peft_config or {})
         self.model_dir = str(Path(model_dir).resolve())
         self.device = torch.device(device)
@@ -333,6 +343,7 @@ class VllmOmniRolloutEngine:
             group_offset=request.group_offset,
             iteration=request.iteration,
             decode=request.decode,
+            micro_batch_size=self.micro_batch_size,
         )
         return spec, {f"ref_image.{i}": bytes_tensor(data) for data, i in images.items()}
 

@@ -109,26 +109,29 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """A cheap, order-independent checksum of LoRA tensors (per key: sum, abs-sum and square-sum in
-    float64, hashed with the key and shape). One device-to-host copy for the whole state.
+    """A hash of LoRA tensors' exact contents: per key, in sorted key order, the key, the dtype, the
+    shape and the bytes of a contiguous CPU copy (sha256, first 16 hex digits).
 
-    The trainer fingerprints what it sends and the worker what it loaded: equal fingerprints mean
-    the rollout samples with the weights the trainer trained.
+    The trainer fingerprints what it sends (on its device, often CUDA) and the worker what it loaded
+    (CPU copies): equal fingerprints mean the rollout samples with the weights the trainer trained.
+    Only canonical bytes give that: a float sum depends on the reduction order, which changes with
+    the memory layout (a transposed copy) and with the device's kernels, so equal tensors could
+    disagree. Each field is length-prefixed, so no two different states feed the hash the same bytes.
     """
-    keys = sorted(state)
-    if not keys:
-        return hashlib.sha256(b"").hexdigest()[:16]
-    stats = torch.stack(
-        [
-            torch.stack([t.double().sum(), t.double().abs().sum(), t.double().pow(2).sum()])
-            for t in (state[k].detach() for k in keys)
-        ]
-    ).cpu()
     h = hashlib.sha256()
-    for key, row in zip(keys, stats, strict=True):
-        h.update(key.encode())
-        h.update(row.numpy().tobytes())
-        h.update(str(tuple(state[key].shape)).encode())
+
+    def field(data: bytes) -> None:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+
+    for key in sorted(state):
+        # The copy to the CPU happens here, whatever the caller's device: one byte order on both sides.
+        tensor = state[key].detach().to("cpu").contiguous()
+        field(key.encode())
+        field(str(tensor.dtype).encode())
+        field(str(tuple(tensor.shape)).encode())
+        # view(uint8) reinterprets the storage (bfloat16 too, which numpy has no type for).
+        field(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -191,6 +194,9 @@ class RolloutSpec:
     group_offset: int = 0
     iteration: int = 0
     decode: bool = True
+    micro_batch_size: int = 0
+    """At most this many samples per transformer call and per VAE decode (the trainer's
+    ``rollout.micro_batch_size``); 0 = every sample of the request in one call, as before this field."""
     protocol: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -257,6 +263,7 @@ class RolloutSpec:
             "seed": (int, lambda v: True, "an int"),
             "group_offset": (int, lambda v: v >= 0, "an int >= 0"),
             "iteration": (int, lambda v: v >= 0, "an int >= 0"),
+            "micro_batch_size": (int, lambda v: v >= 0, "an int >= 0 (0 = the whole request at once)"),
         }
         for name, (types, ok, expected) in checks.items():
             value = data.get(name, 0)

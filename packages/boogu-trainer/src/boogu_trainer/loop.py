@@ -274,6 +274,7 @@ class Trainer:
                 "lora_alpha": cfg.lora.alpha,
                 "target_modules": list(cfg.lora.target_modules),
             },
+            micro_batch_size=cfg.rollout.micro_batch_size,
         )
 
     def close(self) -> None:

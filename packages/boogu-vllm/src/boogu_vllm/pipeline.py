@@ -63,6 +63,16 @@ def window_plan(fields: dict[str, Any]) -> WindowPlan:
     return WindowPlan(**fields)
 
 
+def _row_chunks(batch: int, micro_batch_size: int) -> list[slice]:
+    """``batch`` rows as consecutive slices of at most ``micro_batch_size`` rows (0 = one slice)."""
+    if micro_batch_size < 0:
+        raise ValueError(
+            f"spec.micro_batch_size must be >= 0 (0 = the whole request), got {micro_batch_size}"
+        )
+    size = micro_batch_size or batch
+    return [slice(j, min(j + size, batch)) for j in range(0, batch, size)]
+
+
 class BooguSDEPipeline(BooguImagePipeline):
     """vllm-omni's Boogu pipeline whose RL requests sample with SDE windows and return log-probs."""
 
@@ -212,31 +222,43 @@ class BooguSDEPipeline(BooguImagePipeline):
             self.transformer.axes_dim_rope, self.transformer.axes_lens, theta=10000
         )
 
+        # Consecutive row chunks of spec.micro_batch_size (0 = all rows) per transformer call and per
+        # VAE decode, as the local engine splits (boogu_adapters.step.boogu_velocity): one call over
+        # every latent of a request (128 per rank in the reference recipe) does not fit a GPU.
+        chunks = _row_chunks(batch, spec.micro_batch_size)
+
         def velocity(x: torch.Tensor, sigma: torch.Tensor, i: int) -> torch.Tensor:
             t = boogu_time(sigma).to(dtype)
             latents = x.to(dtype)
-            positive = dict(
-                t=t,
-                latents=latents,
-                instruction_embeds=pos_hidden,
-                freqs_real=freqs,
-                instruction_attention_mask=pos_mask,
-                ref_image_hidden_states=refs,
-            )
-            # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
-            negative = (
-                dict(positive, instruction_embeds=neg_hidden, instruction_attention_mask=neg_mask)
-                if cfg
-                else None
-            )
-            v = self.predict_noise_maybe_with_cfg(
-                do_true_cfg=cfg,
-                true_cfg_scale=spec.guidance_scale,
-                positive_kwargs=positive,
-                negative_kwargs=negative,
-                cfg_normalize=False,
-            )
-            return (v[0] if isinstance(v, tuple) else v).float()
+            parts = []
+            for rows in chunks:
+                positive = dict(
+                    t=t[rows],
+                    latents=latents[rows],
+                    instruction_embeds=pos_hidden[rows],
+                    freqs_real=freqs,
+                    instruction_attention_mask=pos_mask[rows],
+                    ref_image_hidden_states=None if refs is None else refs[rows],
+                )
+                # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
+                negative = (
+                    dict(
+                        positive,
+                        instruction_embeds=neg_hidden[rows],
+                        instruction_attention_mask=neg_mask[rows],
+                    )
+                    if cfg
+                    else None
+                )
+                v = self.predict_noise_maybe_with_cfg(
+                    do_true_cfg=cfg,
+                    true_cfg_scale=spec.guidance_scale,
+                    positive_kwargs=positive,
+                    negative_kwargs=negative,
+                    cfg_normalize=False,
+                )
+                parts.append((v[0] if isinstance(v, tuple) else v).float())
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         t0 = time.perf_counter()
         out = sample_windowed(
@@ -262,7 +284,7 @@ class BooguSDEPipeline(BooguImagePipeline):
         # 4. Decode, as the trainer's codec does: (z / scale + shift) -> VAE -> uint8.
         if spec.decode:
             t0 = time.perf_counter()
-            tensors["images"] = self._decode_uint8(out.final)
+            tensors["images"] = torch.cat([self._decode_uint8(out.final[rows]) for rows in chunks])
             timings["decode"] += time.perf_counter() - t0
         meta = {
             "window": [[win.start, win.end] for win in windows],
