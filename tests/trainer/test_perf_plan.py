@@ -116,13 +116,32 @@ def test_flop_meter_books_rollout_and_training_forwards():
     assert record["perf/mfu"] == pytest.approx(0.25) and record["perf/tflops_per_image"] == 2.5
 
 
-def _measured(config, *, rank, checkpointing, batch, grid, train):
+def _measured(config, *, rank, checkpointing, batch, grid, train, reference_images=0):
     model = _build_transformer(config, torch.float32, rank, LORA_TARGET_MODULES, checkpointing)
     model = model.to_empty(device="cpu")
     randomize_parameters(model, 0)
     for name, p in model.named_parameters():
         p.requires_grad_(is_lora_param(name))
-    return transformer_activation_bytes(model, batch=batch, text_tokens=24, target_grid=grid, train=train)
+    return transformer_activation_bytes(
+        model, batch=batch, text_tokens=24, target_grid=grid, train=train, reference_images=reference_images
+    )
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["no-grad", "train"])
+def test_simulated_activations_of_edit_rows_match_measured_on_cpu(train):
+    """An edit row's reference image joins every transformer call: the plan counts its tokens
+    (`trainer --plan --references 1`), which the T2I plan missed by ~30% at the released size."""
+    grid = (16, 16)
+    meta = _build_transformer(MID_CONFIG, torch.float32, 8, LORA_TARGET_MODULES, False)
+    t2i = transformer_activation_bytes(meta, batch=2, text_tokens=24, target_grid=grid, train=train)
+    simulated = transformer_activation_bytes(
+        meta, batch=2, text_tokens=24, target_grid=grid, train=train, reference_images=1
+    )
+    measured = _measured(
+        MID_CONFIG, rank=8, checkpointing=False, batch=2, grid=grid, train=train, reference_images=1
+    )
+    assert simulated == pytest.approx(measured, rel=0.2)
+    assert simulated > 1.3 * t2i
 
 
 @pytest.mark.parametrize("grid", [(16, 16), (24, 24)], ids=["256-tokens", "576-tokens"])

@@ -4,7 +4,7 @@ trainer                                   the CPU demo (tiny random checkpoint, 
 trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
-trainer RECIPE.yaml --plan [--gpu-memory GB] [--world-size N]   print the expected peak memory per GPU and exit
+trainer RECIPE.yaml --plan [--gpu-memory GB] [--world-size N] [--references N]   print the expected peak memory per GPU and exit
 trainer RECIPE.yaml --preflight           run only the preflight checks (boogu_trainer.preflight); exit 0/1
 """
 
@@ -75,6 +75,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
         metavar="N",
         help="with --plan: the number of ranks (FSDP shards the transformer and the LoRA state; default: $WORLD_SIZE or 1)",
     )
+    parser.add_argument(
+        "--references",
+        type=int,
+        metavar="N",
+        help="with --plan: reference images per prompt (edit data, each at the output size; default 0: T2I)",
+    )
     parser.add_argument("--version", action="version", version=f"boogu-trainer {__version__}")
     ns = parser.parse_args(argv)
     recipe = None
@@ -117,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
         return 0
-    if not ns.plan and (ns.gpu_memory is not None or ns.world_size is not None):
-        print("trainer: --gpu-memory and --world-size only apply with --plan", file=sys.stderr)
+    if not ns.plan and (ns.gpu_memory is not None or ns.world_size is not None or ns.references is not None):
+        print("trainer: --gpu-memory, --world-size and --references only apply with --plan", file=sys.stderr)
         return 2
     if ns.plan:
         from boogu_trainer.plan import plan_memory
@@ -126,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries()
         world = ns.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         try:
-            plan = plan_memory(config, world_size=world, gpu_memory_gb=ns.gpu_memory)
+            plan = plan_memory(
+                config, world_size=world, gpu_memory_gb=ns.gpu_memory, reference_images=ns.references or 0
+            )
         except ConfigError as e:  # a batch layout the trainer would refuse on this many ranks
             print(f"trainer: config error: {e}", file=sys.stderr)
             return 2

@@ -398,6 +398,15 @@ def _graph_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
+class _Saved:
+    """A tensor saved for backward, released by `BackwardStandIn.backward`."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: torch.Tensor | None = tensor
+
+
 class BackwardStandIn:
     """``backward`` on fake CUDA: every leaf the graph reaches gets a zero gradient of its own shape,
     dtype and device (accumulated as autograd would), then the graph is dropped.
@@ -413,21 +422,22 @@ class BackwardStandIn:
     def __init__(self, session: Session):
         self.session = session
         self._saved: dict[str, Any] = {}
-        self._held: list[list[torch.Tensor | None]] = []
+        self._held: weakref.WeakSet[_Saved] = weakref.WeakSet()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # Every tensor a forward saves for backward goes through these, so that a stand-in backward can
     # release them as a real one does (the training peak is one micro-batch's activations, not two).
-    def _pack(self, tensor: torch.Tensor) -> list[torch.Tensor | None]:
-        holder: list[torch.Tensor | None] = [tensor]
-        self._held.append(holder)
-        return holder
+    # Weakly held here: a graph that is dropped without a backward frees its tensors as it would.
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        saved = _Saved(tensor)
+        self._held.add(saved)
+        return saved
 
     @staticmethod
-    def _unpack(holder: list[torch.Tensor | None]) -> torch.Tensor:
-        if holder[0] is None:
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        if saved.tensor is None:
             raise DryRunError("a saved tensor was used after its graph's backward (retain_graph)")
-        return holder[0]
+        return saved.tensor
 
     def __enter__(self) -> BackwardStandIn:
         self._hooks.__enter__()
@@ -467,8 +477,8 @@ class BackwardStandIn:
             for hook in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(leaf)
         if not retain_graph:
-            for holder in self._held:  # the graphs' saved activations die here, as in a real backward
-                holder[0] = None
+            for saved in list(self._held):  # the graphs' saved activations die here, as in a real backward
+                saved.tensor = None
             self._held.clear()
 
 
@@ -1097,7 +1107,7 @@ def shape_folder(preset: Preset, tiny_root: Path, folder: Path) -> Path:
 
 
 def planned_peaks(
-    config: Any, preset: Preset, tiny_root: Path, work: Path, world_size: int
+    config: Any, preset: Preset, tiny_root: Path, work: Path, world_size: int, reference_images: int = 0
 ) -> dict[str, float]:
     """``trainer --plan``'s expected peak GiB of the same phases, for the same recipe and sizes."""
     import dataclasses
@@ -1106,7 +1116,12 @@ def planned_peaks(
 
     folder = shape_folder(preset, tiny_root, work / f"shapes-{preset.name}")
     model = dataclasses.replace(config.model, path=str(folder))
-    plan = plan_memory(dataclasses.replace(config, model=model), world_size=world_size, device_type="cuda")
+    plan = plan_memory(
+        dataclasses.replace(config, model=model),
+        world_size=world_size,
+        device_type="cuda",
+        reference_images=reference_images,
+    )
     static = plan.static_total
     rollout = max(plan.phases[k].bytes for k in ("rollout", "vae decode", "text encoder"))
     out = {"rollout": static + rollout, "train": static + plan.phases["train"].bytes, "step": plan.peak}
@@ -1239,7 +1254,7 @@ def run_case(
             if session.errors:
                 raise DryRunError("; ".join(session.errors))
         result.peaks = measured_peaks(session)
-        result.plan = planned_peaks(config, preset, tiny_root, work, world_size)
+        result.plan = planned_peaks(config, preset, tiny_root, work, world_size, reference_images=int(edit))
         result.ok = True
     except Exception as error:  # the case's verdict: the report names it
         result.error = f"{type(error).__name__}: {error}"

@@ -161,6 +161,7 @@ def transformer_activation_bytes(
     target_grid: tuple[int, int],
     train: bool,
     stand_in_attention: bool | None = None,
+    reference_images: int = 0,
 ) -> int:
     """Peak live bytes of one forward (``train=False``: under no_grad) or forward + backward.
 
@@ -168,7 +169,8 @@ def transformer_activation_bytes(
     injected and gradient checkpointing set as wanted; its activations use the dtype of
     ``x_embedder``. LoRA gradients are dropped as they are accumulated, so the result excludes
     the persistent gradients (:class:`MemoryPlan` counts those apart). The attention stand-in is
-    used by default on meta only.
+    used by default on meta only. ``reference_images``: reference latents per sample, each of the
+    target's size (an edit row).
     """
     weight = model.x_embedder.weight
     device, dtype = weight.device, weight.dtype
@@ -183,7 +185,11 @@ def transformer_activation_bytes(
     ctx = fused_attention_stand_in() if stand_in_attention else contextlib.nullcontext()
     try:
         with ctx, torch.set_grad_enabled(train), LiveBytes() as live:
-            out = model(*inputs, None)
+            refs = None
+            if reference_images:
+                latents = inputs[0]
+                refs = [[torch.zeros_like(latents[0])] * reference_images for _ in range(batch)]
+            out = model(*inputs, None, ref_image_hidden_states=refs)
             if train:
                 out.float().square().mean().backward()
             del out
@@ -441,13 +447,15 @@ def plan_memory(
     gpu_memory_gb: float | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     device_type: str | None = None,
+    reference_images: int = 0,
     headroom: float = 0.1,
 ) -> MemoryPlan:
     """The memory plan of a :class:`~boogu_trainer.config.TrainerConfig` on ``world_size`` GPUs.
 
     Reads only the checkpoint folders' ``config.json`` files (the tiny checkpoint is built first when
     ``model.path`` is empty). ``device_type`` resolves ``model.dtype=auto`` (bfloat16 on cuda);
-    default: cpu when ``model.device`` is cpu, else cuda.
+    default: cpu when ``model.device`` is cpu, else cuda. ``reference_images``: reference images per
+    prompt (edit data), each at the output size: their tokens join every transformer call.
     Rollout micro-batches count latents (x2 sample-forwards with CFG batched), training ones samples
     (x2 with CFG).
     """
@@ -518,7 +526,12 @@ def plan_memory(
 
     def act(train: bool, mdl: nn.Module) -> Callable[[int], int]:
         return lambda n: transformer_activation_bytes(
-            mdl, batch=n, text_tokens=text_tokens, target_grid=grid, train=train
+            mdl,
+            batch=n,
+            text_tokens=text_tokens,
+            target_grid=grid,
+            train=train,
+            reference_images=reference_images,
         )
 
     fixed, per = _linear_fit(act(False, model), cfg_rows)
@@ -545,9 +558,10 @@ def plan_memory(
     fixed, per = _encoder_bytes(mcfg, text_tokens, nbytes)
     prompts = max(config.data.prompts_per_step // world_size, 1) + 1
     plan.phases["text encoder"] = PhaseMemory("text encoder", fixed, per, prompts, "prompt rows")
+    refs = f", {reference_images} reference image(s) of that size per sample" if reference_images else ""
     plan.notes.append(
         f"{text_tokens} instruction tokens assumed per prompt; target {s.height}x{s.width} "
-        f"({grid[0] * grid[1]} tokens); CFG x{cfg_rows} sample-forwards per rollout latent, "
+        f"({grid[0] * grid[1]} tokens){refs}; CFG x{cfg_rows} sample-forwards per rollout latent, "
         f"x{train_rows} per training sample"
     )
     if folder_note:
