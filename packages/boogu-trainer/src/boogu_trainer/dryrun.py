@@ -1158,9 +1158,19 @@ class CaseResult:
         }
 
 
-def run_case(
+@dataclass(frozen=True)
+class CaseConfig:
+    """The trainer config of one dry-run case and the batch it makes per rank."""
+
+    config: Any
+    prompts_per_rank: int
+    eval_prompts_per_rank: int
+    size: int
+
+
+def case_config(
     algorithm: str,
-    edit: bool,
+    name: str,
     *,
     preset: Preset,
     repo: Path,
@@ -1171,19 +1181,11 @@ def run_case(
     eval_prompts_per_rank: int | None = None,
     eval_steps: int | None = None,
     overrides: Sequence[str] = (),
-) -> CaseResult:
-    """One dry-run case: the recipe of ``algorithm`` at ``preset``'s sizes, T2I or edit, on
-    ``world_size`` fake ranks (this process rank 0): one training step and one evaluation call."""
-    import os
-    import time
-
+) -> CaseConfig:
+    """The shipped recipe of ``algorithm`` as the dry run runs it: fake CUDA in bf16, ``preset``'s
+    output size, the fewest prompts per rank with the recipe's call shapes, host-scored rewards."""
     from boogu_trainer.config import load_config
-    from boogu_trainer.data import PromptSampler, demo_records
-    from boogu_trainer.distributed import DistEnv
-    from boogu_trainer.loop import Trainer
 
-    name = f"{algorithm}-{'edit' if edit else 't2i'}"
-    t0 = time.perf_counter()
     recipe = load_config(repo / RECIPES[algorithm], [f"model.path={tiny_root}"])
     per_rank = prompts_per_rank or shape_preserving_prompts(recipe)
     eval_per_rank = eval_prompts_per_rank or max(recipe.eval.num_prompts // RECIPE_RANKS, 1)
@@ -1215,6 +1217,53 @@ def run_case(
             *overrides,
         ],
     )
+    return CaseConfig(config, per_rank, eval_per_rank, size)
+
+
+def run_case(
+    algorithm: str,
+    edit: bool,
+    *,
+    preset: Preset,
+    repo: Path,
+    tiny_root: Path,
+    work: Path,
+    world_size: int = 1,
+    prompts_per_rank: int | None = None,
+    eval_prompts_per_rank: int | None = None,
+    eval_steps: int | None = None,
+    overrides: Sequence[str] = (),
+) -> CaseResult:
+    """One dry-run case: the recipe of ``algorithm`` at ``preset``'s sizes, T2I or edit, on
+    ``world_size`` fake ranks (this process rank 0): one training step and one evaluation call."""
+    import os
+    import time
+
+    from boogu_trainer.data import PromptSampler, demo_records
+    from boogu_trainer.distributed import DistEnv
+    from boogu_trainer.loop import Trainer
+
+    name = f"{algorithm}-{'edit' if edit else 't2i'}"
+    t0 = time.perf_counter()
+    case = case_config(
+        algorithm,
+        name,
+        preset=preset,
+        repo=repo,
+        tiny_root=tiny_root,
+        work=work,
+        world_size=world_size,
+        prompts_per_rank=prompts_per_rank,
+        eval_prompts_per_rank=eval_prompts_per_rank,
+        eval_steps=eval_steps,
+        overrides=overrides,
+    )
+    config, per_rank, eval_per_rank, size = (
+        case.config,
+        case.prompts_per_rank,
+        case.eval_prompts_per_rank,
+        case.size,
+    )
     result = CaseResult(name=name, ok=False, error=None, seconds=0.0)
     env = {"WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "RANK": "0"}
     saved_env = {k: os.environ.get(k) for k in env}
@@ -1224,7 +1273,7 @@ def run_case(
             result.session = session
             # `DistEnv.from_environment` asks `torch.cuda.is_available()`, which must stay False here (fake
             # mode takes the real CUDA path for a CPU-to-CUDA copy when it is True); its device
-            # handling is tested on its own (tests/trainer/test_distributed_device.py).
+            # handling is tested on its own (tests/trainer/test_gpu_path.py).
             dist = DistEnv(
                 rank=0,
                 world_size=world_size,
