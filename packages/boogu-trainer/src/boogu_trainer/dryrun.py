@@ -1229,13 +1229,11 @@ def run_case(
     tiny_root: Path,
     work: Path,
     world_size: int = 1,
-    prompts_per_rank: int | None = None,
-    eval_prompts_per_rank: int | None = None,
-    eval_steps: int | None = None,
-    overrides: Sequence[str] = (),
+    **options: Any,
 ) -> CaseResult:
     """One dry-run case: the recipe of ``algorithm`` at ``preset``'s sizes, T2I or edit, on
-    ``world_size`` fake ranks (this process rank 0): one training step and one evaluation call."""
+    ``world_size`` fake ranks (this process rank 0): one training step and one evaluation call.
+    ``options``: `case_config`'s batch and override arguments."""
     import os
     import time
 
@@ -1253,10 +1251,7 @@ def run_case(
         tiny_root=tiny_root,
         work=work,
         world_size=world_size,
-        prompts_per_rank=prompts_per_rank,
-        eval_prompts_per_rank=eval_prompts_per_rank,
-        eval_steps=eval_steps,
-        overrides=overrides,
+        **options,
     )
     config, per_rank, eval_per_rank, size = (
         case.config,
