@@ -287,7 +287,7 @@ def test_config_changes():
         "resume_allow_changes=[optim]",
         "logging.name=other",
         "checkpoint.keep_last=9",
-        "eval.every=5",
+        "eval.num_prompts=5",
         "distributed.timeout_s=60",
     )
     assert config_changes(old, free) == []
@@ -354,3 +354,35 @@ def test_cli_print_config_and_errors(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "sampler.noise_level" in out and "distributed.timeout_s" in out and "Seconds a collective" in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["algorithm.name=diffusion_nft", "algorithm.clip_range=1e-3"],
+            "algorithm.clip_range=0.001 with algorithm.name='diffusion_nft'",
+        ),
+        (
+            ["algorithm.name=awm", "algorithm.kl_kind=velocity"],
+            "algorithm.kl_kind='velocity' with algorithm.name='awm'",
+        ),
+        (
+            ["data.prompts_per_step=2", "algorithm.mini_batches=3"],
+            "algorithm.mini_batches=3 with data.prompts_per_step=2",
+        ),
+        (["eval.every=5"], "eval.every=5 without data.val_files"),
+        (["checkpoint.keep_best=true"], "checkpoint.keep_best=True without data.val_files"),
+        (["eval.stop_on_divergence=2"], "eval.stop_on_divergence=2 without data.val_files"),
+        (
+            ["data.val_files=[v.parquet]", "checkpoint.keep_best=true"],
+            "checkpoint.keep_best=True with eval.every=0",
+        ),
+        (["optim.lr=1e39"], "optim.lr=1e+39"),
+        (["optim.lr=2"], "optim.lr=2.0"),
+    ],
+)
+def test_contradictory_settings_are_refused_naming_both_keys(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value)

@@ -98,6 +98,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# A user's reward that draws from torch's, numpy's and Python's global RNGs: a resume is exact only
+# when each rank's global states are saved and restored, and nothing of the trainer's draws from them.
+GLOBAL_RNG_REWARD = "reward.rewards=[{name: 'tests.trainer.reward_fakes:brightness_with_global_noise'}]"
+
 NFT_LAGGING = [
     "algorithm.name=diffusion_nft",
     "sampler.window_size=0",
@@ -139,7 +143,7 @@ def test_two_gloo_ranks_with_fsdp2_equal_one_rank(algorithm, tiny_checkpoint, tm
 
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_ends_with_the_same_weights_bitwise(tiny_checkpoint, tmp_path):
-    steps = ["total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2"]
+    steps = ["total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", GLOBAL_RNG_REWARD]
     run([sys.executable, "-m", "boogu_trainer", *overrides(tiny_checkpoint, tmp_path / "straight", *steps)])
 
     killed = tmp_path / "killed"
@@ -164,7 +168,13 @@ def test_sigkill_then_resume_auto_ends_with_the_same_weights_bitwise(tiny_checkp
 
 @pytest.mark.slow
 def test_two_rank_run_killed_and_resumed_equals_a_straight_two_rank_run(tiny_checkpoint, tmp_path):
-    steps = ["total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", "ema.enabled=true"]
+    steps = [
+        "total_steps=4",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=2",
+        "ema.enabled=true",
+        GLOBAL_RNG_REWARD,
+    ]
     straight = overrides(tiny_checkpoint, tmp_path / "straight", *steps)
     run(torchrun(*straight))
     killed = overrides(tiny_checkpoint, tmp_path / "killed", *steps)

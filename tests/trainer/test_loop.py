@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.checkpoint import CheckpointError, checkpoint_folders, load_checkpoint
 from boogu_trainer.config import load_config
 from boogu_trainer.loop import Trainer, TrainingStopped
@@ -236,8 +237,11 @@ def test_resume_with_a_changed_lr_is_refused_unless_opted_in(finished_run, tiny_
 
 
 def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoint, tmp_path):
-    # A finite lr whose Adam steps overflow float32 turns the LoRA into inf on the first update.
-    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, "optim.lr=3e37", "total_steps=3"))
+    # A finite lr whose Adam steps overflow float32 turns the LoRA into inf on the first update (set
+    # behind the config's back: optim.lr refuses values above 1).
+    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=3"))
+    for group in trainer.learner.optimizer.param_groups:
+        group["lr"] = 3e37
     before = lora_of(trainer)
     with pytest.raises(TrainingStopped, match="non-finite"):
         trainer.train()
@@ -326,3 +330,102 @@ def test_sinks_are_closed_and_live_on_rank_zero_only(tiny_checkpoint, tmp_path, 
     silent.log({"step": 1, "reward/mean": 0.5})
     silent.close()
     assert not (tmp_path / "rank1").exists()
+
+
+def test_the_trainer_draws_nothing_from_the_global_rngs(tiny_checkpoint, tmp_path, monkeypatch):
+    # Its streams are explicit generators: a user's reward drawing from torch's, numpy's or Python's
+    # global RNG sees the same stream whatever the trainer did first (the matmul probe included).
+    from boogu_trainer import perf
+
+    monkeypatch.setattr(perf, "_MEASURED", {})
+    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=1", "checkpoint.save_every=0"))
+    before = ckpt.rng_state()
+    trainer.train()
+    after = ckpt.rng_state()
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert perf._MEASURED  # the probe ran in this step
+
+
+def test_global_rng_states_round_trip_per_rank():
+    import random
+
+    import numpy as np
+
+    ckpt.seed_global_rngs(5)
+    torch.rand(3), np.random.rand(3), random.random(), random.gauss(0, 1), np.random.randn()
+    ranks = [ckpt.rng_state()]
+    expected = (torch.rand(4), np.random.rand(4), random.random(), random.gauss(0, 1), np.random.randn())
+    random.seed(9)
+    ranks.append(ckpt.rng_state())  # rank 1's streams are elsewhere
+    saved = ckpt.rng_states_of_ranks(ranks)
+    ckpt.seed_global_rngs(123)
+    ckpt.set_rng_state(ckpt.rng_state_of_rank(saved, 0))
+    got = (torch.rand(4), np.random.rand(4), random.random(), random.gauss(0, 1), np.random.randn())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    assert got[2:] == expected[2:]
+    assert ckpt.rng_state_of_rank(saved, 2) is None  # saved by two ranks
+    legacy = {"torch_cpu": torch.get_rng_state()}  # a checkpoint before v0.3: one state for all ranks
+    assert ckpt.rng_state_of_rank(legacy, 3) == legacy
+
+
+def test_a_second_writer_of_a_live_run_folder_is_refused_naming_the_holder(tiny_checkpoint, tmp_path):
+    import os
+    import socket
+
+    first = Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=2", "checkpoint.save_every=1"))
+    refused = []
+
+    def start_a_second_run(step, record):
+        # While the first run lives (a killed job's ranks still finishing): a resume=auto of it.
+        if step == 1:
+            second = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
+            with pytest.raises(ckpt.RunFolderLocked) as error:
+                second.resume("auto")
+            refused.append(str(error.value))
+
+    first.train(start_a_second_run)
+    assert refused and f"pid {os.getpid()} on host {socket.gethostname()}" in refused[0]
+    assert str(tmp_path / "run") in refused[0]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]  # one writer
+    # The lock lives as long as the run: once it ended, the folder can be resumed.
+    after = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
+    assert after.resume("auto") is not None and after.step == 2
+    after.close()
+
+
+def test_resume_says_when_an_accepted_change_ends_bitwise_equality(
+    finished_run, tiny_checkpoint, tmp_path, caplog
+):
+    _, _, run = finished_run
+    shutil.copytree(run, tmp_path / "run")
+    same = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
+    with caplog.at_level("WARNING", logger="boogu_trainer"):
+        assert same.resume("auto") is not None
+    assert "bitwise" not in caplog.text
+    same.close()  # it holds the run folder's lock
+    changed = small_config(tiny_checkpoint, tmp_path, "resume=auto", "algorithm.train_micro_batch_size=2")
+    with caplog.at_level("WARNING", logger="boogu_trainer"):
+        assert Trainer(changed).resume("auto") is not None
+    assert "algorithm.train_micro_batch_size changed from 0" in caplog.text
+    assert "no longer bitwise equal" in caplog.text
+
+
+def test_too_few_prompts_are_refused_before_the_model_loads(tiny_checkpoint, tmp_path, monkeypatch):
+    from boogu_data import PromptRecord, write_records
+    from boogu_trainer.config import ConfigError
+
+    data = tmp_path / "train.parquet"
+    write_records([PromptRecord(instruction="a red circle", index=0)], data)
+
+    def no_model(self):
+        raise AssertionError("the model was loaded before the data were checked")
+
+    monkeypatch.setattr(Trainer, "_load_parts", no_model)
+    cfg = small_config(tiny_checkpoint, tmp_path, f"data.train_files=[{data}]", "preflight=false")
+    with pytest.raises(ConfigError, match=r"data\.prompts_per_step=2: .* hold only 1"):
+        Trainer(cfg)
+    missing = small_config(tiny_checkpoint, tmp_path, f"data.val_files=[{tmp_path / 'nope.parquet'}]")
+    with pytest.raises(ConfigError, match=r"data\.val_files=.*nope\.parquet"):
+        Trainer(missing)
+    assert not (tmp_path / "run").exists()

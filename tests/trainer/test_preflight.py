@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -225,7 +226,10 @@ def test_a_run_with_preflight_trains_exactly_like_one_without(tiny_checkpoint, t
     assert ra == rb and la == lb and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cli_preflight_runs_only_the_checks(tiny_checkpoint, tmp_path, capsys):
+def test_cli_preflight_runs_only_the_checks(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     args = [f"model.path={tiny_checkpoint}", "model.device=cpu", "sampler.height=32", "sampler.width=32"]
     args += ["lora.rank=4", "lora.alpha=8", "data.prompts_per_step=2", "algorithm.group_size=2"]
     args += ["sampler.num_steps=4", f"logging.run_dir={tmp_path}", "logging.name=run"]
@@ -235,3 +239,4 @@ def test_cli_preflight_runs_only_the_checks(tiny_checkpoint, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     assert main(["--preflight", *args, "lora.target_modules=[nonexistent]"]) == 1
     assert "preflight check 'lora_targets' failed" in capsys.readouterr().err
+    assert list(temp.iterdir()) == []  # no temporary folder left behind, passed or failed

@@ -13,7 +13,7 @@ Layout of ``checkpoints/step_000030/``:
 * ``ema.safetensors``: the EMA of the LoRA weights (when enabled), same keys as ``adapter_model``.
 * ``old_policy.safetensors``: DiffusionNFT's old (sampling) policy, same keys as ``adapter_model``.
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments and hyper-parameters, by parameter name.
-* ``rng.safetensors``: the torch RNG states.
+* ``rng.safetensors``: each rank's global RNG states (torch CPU and CUDA, numpy, ``random``).
 * ``trainer_state.json``: step, run id, data position, counters.
 * ``config.yaml``: the resolved config.
 * ``manifest.json``: size and SHA-256 of every file above; ``COMPLETE`` is written last.
@@ -39,18 +39,22 @@ to a checkpoint of a discarded future.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
+import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from safetensors import SafetensorError
@@ -64,7 +68,7 @@ from boogu_data.atomic import (
     remove_stale,
     stage_folder,
 )
-from boogu_trainer.config import TrainerConfig, config_changes, config_to_dict
+from boogu_trainer.config import TrainerConfig, config_changes, config_to_dict, resume_not_bitwise_changes
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.faults import fault_point
 
@@ -102,19 +106,69 @@ class CheckpointContents:
 
 
 # ---- RNG ------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, torch.Tensor]:
-    out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"torch_cuda_{i}"] = s
+# The project itself never draws from a global RNG (its streams are explicit generators), but a
+# user's reward may: each rank's global states are saved, so such a reward resumes exactly too.
+_RANK_PREFIX = "rank"
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Seed torch's (CPU and every CUDA device), numpy's legacy and Python's global RNGs with ``seed``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def rng_state(device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """This process's global RNG states: torch's CPU one, the CUDA one of ``device`` (when it is a CUDA
+    device), numpy's legacy ``np.random`` and Python's ``random``, as tensors (safetensors-ready)."""
+    version, keys, gauss = random.getstate()
+    kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    if kind != "MT19937":  # numpy's legacy global generator is always MT19937
+        raise CheckpointError(f"np.random's global state is {kind!r}, expected 'MT19937'")
+    out = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64).copy()),
+        "numpy_extra": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+        "python_keys": torch.tensor(keys, dtype=torch.int64),
+        "python_extra": torch.tensor(
+            [version, gauss is not None, 0.0 if gauss is None else gauss], dtype=torch.float64
+        ),
+    }
+    if device is not None and torch.device(device).type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(torch.device(device))
     return out
 
 
-def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
+def set_rng_state(state: Mapping[str, torch.Tensor], device: torch.device | str | None = None) -> None:
+    """Put back the states of `rng_state` (also the torch-only states of checkpoints before v0.3)."""
     torch.set_rng_state(state["torch_cpu"])
-    cuda = [state[k] for k in sorted(k for k in state if k.startswith("torch_cuda_"))]
+    if "python_keys" in state:
+        version, has_gauss, gauss = state["python_extra"].tolist()
+        random.setstate((int(version), tuple(state["python_keys"].tolist()), gauss if has_gauss else None))
+        pos, np_has_gauss, np_gauss = state["numpy_extra"].tolist()
+        keys = state["numpy_keys"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, int(pos), int(np_has_gauss), float(np_gauss)))
+    if "torch_cuda" in state and device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["torch_cuda"], torch.device(device))
+    cuda = [state[k] for k in sorted(k for k in state if k.startswith("torch_cuda_"))]  # before v0.3
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
+
+
+def rng_states_of_ranks(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The `rng_state` of each rank (in rank order) as one flat dict: ``rank<r>.<name>``."""
+    return {f"{_RANK_PREFIX}{r}.{k}": v for r, state in enumerate(states) for k, v in state.items()}
+
+
+def rng_state_of_rank(saved: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor] | None:
+    """Rank ``rank``'s states out of `rng_states_of_ranks`' dict; a checkpoint before v0.3 holds one
+    process's states for every rank; None when the checkpoint has no states for ``rank`` (it was
+    written by fewer ranks)."""
+    if not any(k.startswith(_RANK_PREFIX) for k in saved):
+        return dict(saved)
+    prefix = f"{_RANK_PREFIX}{rank}."
+    mine = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
+    return mine or None
 
 
 # ---- one folder -----------------------------------------------------------------------------------
@@ -273,6 +327,58 @@ def run_id_of(folder: Path) -> str | None:
 
 
 # ---- the component ----------------------------------------------------------------------------------
+class RunFolderLocked(CheckpointError):
+    """Another live process holds the run folder's lock."""
+
+
+class RunFolderLock:
+    """An exclusive lock on one run folder for the life of the run: ``fcntl.flock`` on ``<run>/.lock``.
+
+    The OS drops it when its process dies (kill -9 included), so a dead run never leaves a stale
+    lock; while the holder lives, a second writer (a ``resume=auto`` started while a killed job's
+    ranks are still finishing, a second fresh run racing for the same name) is refused with an error
+    naming the holder's pid and host. Taken and held by rank 0, the one rank that writes the folder.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._file: Any = None
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def acquire(self) -> None:
+        if self._file is not None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / self.NAME
+        file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the life of the run)
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that has not written its name yet"
+            file.close()
+            raise RunFolderLocked(
+                f"{self.folder} is in use by another run ({holder}, holding {path}); a run folder has one "
+                "writer at a time: wait for that run to end, stop it, or give this run another "
+                "logging.name"
+            ) from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        file.flush()
+        self._file = file
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor drops the flock
+            self._file = None
+
+
 def _used(folder: Path) -> bool:
     return folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
 
@@ -452,6 +558,15 @@ def check_resume_config(saved_yaml: str, config: TrainerConfig, folder: Path) ->
     old = yaml.safe_load(saved_yaml) or {}
     changes = config_changes(old, config_to_dict(config), config.resume_allow_changes)
     if not changes:
+        for key, a, b in resume_not_bitwise_changes(old, config_to_dict(config)):
+            logger.warning(
+                "resume: %s changed from %r (in %s) to %r; accepted, but the run is no longer bitwise equal "
+                "to one that never stopped (the same numbers are computed in another order)",
+                key,
+                a,
+                folder,
+                b,
+            )
         return
     listed = "\n".join(f"  {key}: {a!r} (checkpoint) -> {b!r} (now)" for key, a, b in changes)
     keys = ",".join(key for key, _, _ in changes)

@@ -159,9 +159,11 @@ def preflight_only(config: TrainerConfig) -> int:
         config.distributed.backend, config.model.device, config.distributed.timeout_s
     )
     trainer = None
+    # A launched rollout worker logs to a temporary folder, removed at the end: --preflight writes
+    # no run folder and leaves nothing behind.
+    log_dir = tempfile.TemporaryDirectory(prefix="boogu-preflight-")
     try:
-        # A launched rollout worker logs to a temporary folder: --preflight writes no run folder.
-        trainer = Trainer(config, dist=dist, worker_log_dir=Path(tempfile.mkdtemp(prefix="boogu-preflight-")))
+        trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name))
         report = run_preflight(trainer, raise_on_failure=False)
     except PreflightError as e:
         print(f"trainer: {e}", file=sys.stderr)
@@ -170,6 +172,7 @@ def preflight_only(config: TrainerConfig) -> int:
         if trainer is not None:
             trainer.close()
         dist.close()
+        log_dir.cleanup()
     if dist.is_main:
         print(report.render())
         for failure in report.failures:

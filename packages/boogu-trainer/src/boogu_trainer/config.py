@@ -516,7 +516,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check_finite(self, "optim.")
-        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        # Above 1 AdamW's step overflows (1e39 is inf in float32) or wrecks the LoRA in one step.
+        _check(0 < self.lr <= 1, "optim.lr", self.lr, "in (0, 1] (LoRA learning rates are ~1e-5 to 1e-3)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
         _check(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "each in [0, 1)")
         _check(self.eps > 0, "optim.eps", self.eps, "> 0")
@@ -699,6 +700,7 @@ class TrainerConfig:
                 f"set sampler.guidance_scale > 1 or {key}.guided=false"
             )
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
+        self._check_contradictions()
         keys = _config_keys()
         for i, key in enumerate(self.resume_allow_changes):
             if key not in keys:
@@ -707,6 +709,66 @@ class TrainerConfig:
                 raise ConfigError(
                     f"resume_allow_changes[{i}]={key!r}: expected a config key or section "
                     f"such as optim.lr or optim{hint}"
+                )
+
+    def _check_contradictions(self) -> None:
+        """Refuse settings that another setting makes meaningless: each would otherwise be ignored,
+        or clamped, without a word."""
+        a, default = self.algorithm, AlgorithmConfig()
+        if a.name != "flow_grpo":
+            for key in ("clip_range", "kl_kind"):
+                if getattr(a, key) != getattr(default, key):
+                    raise ConfigError(
+                        f"algorithm.{key}={getattr(a, key)!r} with algorithm.name={a.name!r}: {key} belongs to "
+                        f"flow_grpo's policy-ratio loss, which {a.name} does not use (its KL term is the "
+                        f"velocity MSE weighted by algorithm.kl_coef); leave algorithm.{key} at its default "
+                        f"({getattr(default, key)!r})"
+                    )
+        groups = self.data.prompts_per_step
+        if a.mini_batches > groups:
+            raise ConfigError(
+                f"algorithm.mini_batches={a.mini_batches} with data.prompts_per_step={groups}: a mini-batch "
+                f"holds whole prompt groups, so at most {groups} mini-batches (one group each)"
+            )
+        if not self.data.val_files:
+            evaluating = self.eval.every > 0
+            uses = [
+                f"{key}={value!r}"
+                for key, value, on in (
+                    ("eval.every", self.eval.every, evaluating),
+                    ("eval.rewards", [r.name for r in self.eval.rewards], bool(self.eval.rewards)),
+                    (
+                        "eval.stop_on_divergence",
+                        self.eval.stop_on_divergence,
+                        self.eval.stop_on_divergence > 0,
+                    ),
+                    ("checkpoint.keep_best", self.checkpoint.keep_best, self.checkpoint.keep_best),
+                )
+                if on
+            ]
+            if uses:
+                raise ConfigError(
+                    f"{', '.join(uses)} without data.val_files: evaluation runs on the validation prompts; "
+                    "set data.val_files (parquet files or folders), or turn evaluation off"
+                )
+        elif self.eval.every == 0:
+            uses = [
+                f"{key}={value!r}"
+                for key, value, on in (
+                    ("eval.rewards", [r.name for r in self.eval.rewards], bool(self.eval.rewards)),
+                    (
+                        "eval.stop_on_divergence",
+                        self.eval.stop_on_divergence,
+                        self.eval.stop_on_divergence > 0,
+                    ),
+                    ("checkpoint.keep_best", self.checkpoint.keep_best, self.checkpoint.keep_best),
+                )
+                if on
+            ]
+            if uses:
+                raise ConfigError(
+                    f"{', '.join(uses)} with eval.every=0: these act on evaluations, and none runs; "
+                    "set eval.every > 0"
                 )
 
     @property
@@ -762,6 +824,16 @@ RESUME_FREE_KEYS: tuple[str, ...] = (
     "algorithm.train_micro_batch_size",
 )
 """Keys (and sections) that may differ from a checkpoint's config on resume: they do not change the past."""
+
+RESUME_NOT_BITWISE_KEYS: tuple[str, ...] = (
+    "model.compile",
+    "model.compile_bucket",
+    "rollout.micro_batch_size",
+    "algorithm.train_micro_batch_size",
+)
+"""Of `RESUME_FREE_KEYS`, those that change how the same numbers are computed (batch split, kernels):
+the run goes on as its recipe says, but float rounding differs (~1e-8), so it is no longer bitwise
+equal to an uninterrupted run. A resume that changes one says so."""
 
 
 def demo_config() -> TrainerConfig:
@@ -1004,6 +1076,18 @@ def config_changes(
         for key, value in after.items()
         if not any(key == p or key.startswith(f"{p}.") for p in skip)
         and _resolved(key, before.get(key)) != _resolved(key, value)
+    ]
+
+
+def resume_not_bitwise_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old value, new value)`` for each key of `RESUME_NOT_BITWISE_KEYS` that differs."""
+    before = _leaves(_with_defaults(old, TrainerConfig))
+    after = _leaves(_with_defaults(new, TrainerConfig))
+    return [
+        (key, before.get(key), value)
+        for key, value in after.items()
+        if any(key == p or key.startswith(f"{p}.") for p in RESUME_NOT_BITWISE_KEYS)
+        and before.get(key) != value
     ]
 
 

@@ -143,7 +143,20 @@ class Trainer:
         self.config, self.run_note = ckpt.resolve_run_folder(config, self.dist)
         config = self.config
         self.run_dir = config.run_path
-        torch.manual_seed(config.seed)
+        self.run_lock = ckpt.RunFolderLock(self.run_dir)
+        """Held (rank 0) from the first write of the run folder, `train` or `resume`, to its end."""
+        ckpt.seed_global_rngs(config.seed)
+        # The prompts before the model: a data error costs seconds, not a model load.
+        self._train_rows = self._read_records(config.data.train_files, "data.train_files")
+        self._val_rows = (
+            self._read_records(config.data.val_files, "data.val_files") if config.data.val_files else None
+        )
+        if len(self._train_rows[0]) < config.data.prompts_per_step:
+            raise ConfigError(
+                f"data.prompts_per_step={config.data.prompts_per_step}: the training prompts "
+                f"({', '.join(config.data.train_files) or 'built-in demo prompts'}) hold only "
+                f"{len(self._train_rows[0])}; a step needs {config.data.prompts_per_step}"
+            )
         self.parts = parts if parts is not None else self._load_parts()
         self.transformer = self._prepare_transformer(self.parts.transformer)
         if self.dist.enabled:
@@ -172,12 +185,12 @@ class Trainer:
     def _build_components(self, config: TrainerConfig) -> None:
         self.rewards = build_rewards(config.reward.rewards)
         self.data = PromptSampler(
-            self._records(config.data.train_files),
+            self._checked_records(*self._train_rows),
             config.data.prompts_per_step,
             shuffle=config.data.shuffle,
             seed=config.seed,
         )
-        val = self._records(config.data.val_files) if config.data.val_files else []
+        val = self._checked_records(*self._val_rows) if self._val_rows is not None else []
         self.rollout = RolloutScorer(config, self.engine, self.rewards, self.dist, self.device)
         self.learner = Learner(
             config, self.transformer, TrainingAdapter(self.local_engine.freqs_cis), self.dist, self.device
@@ -278,17 +291,37 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Stop what the run started outside this process (a launched rollout worker)."""
+        """Stop what the run started outside this process (a launched rollout worker); unlock the run folder."""
+        self.run_lock.release()
         if self.engine is not self.local_engine:
             self.engine.close()
 
-    def _records(self, files) -> list[PromptRecord]:
-        """The dataset's records, every prompt's token count checked now (naming file and row)."""
-        if files:
-            records, sources = load_sourced_records(files)
-        else:
+    def lock_run_folder(self) -> None:
+        """Take the run folder's lock on rank 0 (`ckpt.RunFolderLock`); every rank raises
+        `ckpt.RunFolderLocked` when another live process holds it."""
+        error = None
+        if self.dist.is_main:
+            try:
+                self.run_lock.acquire()
+            except ckpt.RunFolderLocked as e:
+                error = str(e)
+        error = self.dist.broadcast_object(error, "lock the run folder")
+        if error is not None:
+            raise ckpt.RunFolderLocked(error)
+
+    def _read_records(self, files, key: str) -> tuple[list[PromptRecord], list[str]]:
+        """The dataset's records and where each came from (the built-in demo prompts when ``files`` is
+        empty); a missing or invalid file is a `ConfigError` naming ``key``."""
+        if not files:
             records = demo_records(self.config.data.demo_prompts)
-            sources = [f"built-in demo prompt {r.index}" for r in records]
+            return records, [f"built-in demo prompt {r.index}" for r in records]
+        try:
+            return load_sourced_records(files)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{key}={list(files)!r}: {error}") from error
+
+    def _checked_records(self, records: list[PromptRecord], sources: list[str]) -> list[PromptRecord]:
+        """``records``, every prompt's token count checked (naming file and row): needs the tokenizer."""
         check_prompt_lengths(
             records,
             sources,
@@ -302,6 +335,7 @@ class Trainer:
         cfg = self.config
         if preflight_due(self):
             self.preflight_report = run_preflight(self)  # a PreflightError stops before any output
+        self.lock_run_folder()
         if self.metrics is None:
             self.metrics = self._open_metrics()
             self.metrics.truncate_to(0)
@@ -332,6 +366,7 @@ class Trainer:
                     progress(self.step, record)
         finally:
             self.metrics.close()
+            self.run_lock.release()
         return self.metrics.history
 
     def _evaluate(self) -> EvalResult:
@@ -575,7 +610,7 @@ class Trainer:
             },
             config_yaml=yaml.safe_dump(config_to_dict(self.config), sort_keys=False),
             ema=None if ema is None else {k: v.cpu() for k, v in ema.items()},
-            rng=ckpt.rng_state(),
+            rng=ckpt.rng_states_of_ranks(self.dist.gather_objects(ckpt.rng_state(self.device), "rng gather")),
             old=None
             if self.learner.old is None
             else {k: v.float().cpu() for k, v in self.learner.old_state().items()},
@@ -599,7 +634,17 @@ class Trainer:
         self.gold.load_state_dict(state.get("gold"))
         self.checkpointer.restore_best(self.gold.best)
         if contents.rng is not None:
-            ckpt.set_rng_state(contents.rng)
+            mine = ckpt.rng_state_of_rank(contents.rng, self.dist.rank)
+            if mine is None:
+                logger.warning(
+                    "resume: %s holds no global RNG states for rank %d (it was saved by %s ranks); this rank "
+                    "keeps its seeded states, so a reward drawing from torch/numpy/random globals differs",
+                    self.run_dir,
+                    self.dist.rank,
+                    state.get("world_size", "?"),
+                )
+            else:
+                ckpt.set_rng_state(mine, self.device)
         version = max(int(state["weights_version"]), 1)
         self.engine.sync_weights(version, self._rollout_lora(None), module=self.transformer)
 
@@ -613,6 +658,7 @@ class Trainer:
         folder = self.checkpointer.find(spec)
         if folder is None:
             return None
+        self.lock_run_folder()
         contents = self.checkpointer.load(folder)
         if self.config.resume_allow_changes:
             logger.warning("resume: accepted config changes in %s", list(self.config.resume_allow_changes))

@@ -39,6 +39,7 @@ from torch import nn
 
 from boogu_adapters.model.flops import FlopModel, lora_ranks_from_model
 from boogu_adapters.model.layout import TokenLayout
+from boogu_schedule.seeding import make_generator
 
 __all__ = [
     "GPU_PEAK_TFLOPS",
@@ -121,10 +122,13 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, budget_s: fl
     key = (str(device), str(dtype))
     if key in _MEASURED:
         return _MEASURED[key]
+    # Its own generator: a draw from the global RNG here would shift the stream of a user's reward
+    # in the first step of every process, so a resumed run would differ from an uninterrupted one.
+    generator = make_generator(0, device)
     if device.type == "cuda":
         n, reps = 8192, 5
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
         a @ b  # warm-up (cuBLAS handle, heuristics)
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -136,8 +140,8 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, budget_s: fl
         rate = 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
     else:
         n = 1024 if dtype in (torch.float32, torch.float64) else 512
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
+        a = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
+        b = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
         a @ b
         best, deadline = 0.0, time.perf_counter() + budget_s
         while time.perf_counter() < deadline:
