@@ -718,11 +718,16 @@ class TrainerConfig:
         if a.name != "flow_grpo":
             for key in ("clip_range", "kl_kind"):
                 if getattr(a, key) != getattr(default, key):
+                    own = (
+                        " (awm's own clip is algorithm.awm.clip_range)"
+                        if (a.name, key) == ("awm", "clip_range")
+                        else ""
+                    )
                     raise ConfigError(
                         f"algorithm.{key}={getattr(a, key)!r} with algorithm.name={a.name!r}: {key} belongs to "
                         f"flow_grpo's policy-ratio loss, which {a.name} does not use (its KL term is the "
                         f"velocity MSE weighted by algorithm.kl_coef); leave algorithm.{key} at its default "
-                        f"({getattr(default, key)!r})"
+                        f"({getattr(default, key)!r}){own}"
                     )
         groups = self.data.prompts_per_step
         if a.mini_batches > groups:
