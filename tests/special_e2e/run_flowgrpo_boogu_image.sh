@@ -72,10 +72,17 @@ fi
 
 echo "== [3/4] 2 FlowGRPO steps (MODE=$MODE NUM_GPUS=$NUM_GPUS NPROC=$NPROC)"
 if [ "$NUM_GPUS" -gt 0 ]; then DEVICE=cuda; RANKS="$NUM_GPUS"; DTYPE=bfloat16; else DEVICE=cpu; RANKS="$NPROC"; DTYPE=float32; fi
+# 4 prompt groups a step, an equal share per rank; 2 mini-batches where each rank's share splits in two
+# (the trainer refuses a layout whose mini-batches differ from one rank's: config.check_world_layout).
+case "$RANKS" in
+    1 | 2) MINI_BATCHES=2 ;;
+    4) MINI_BATCHES=1 ;;
+    *) echo "run_flowgrpo_boogu_image.sh: $RANKS ranks cannot share 4 prompt groups equally (use 1, 2 or 4)" >&2; exit 2 ;;
+esac
 ARGS=(
     "model.path=$TINY" "model.device=$DEVICE" "model.dtype=$DTYPE"
     "data.train_files=[$DATA_OUT/train.parquet]" "data.val_files=[$DATA_OUT/test.parquet]"
-    "data.prompts_per_step=4" "algorithm.group_size=2" "algorithm.mini_batches=2" "algorithm.kl_coef=0.04"
+    "data.prompts_per_step=4" "algorithm.group_size=2" "algorithm.mini_batches=$MINI_BATCHES" "algorithm.kl_coef=0.04"
     "sampler.num_steps=4" "sampler.height=32" "sampler.width=32" "sampler.guidance_scale=4.0"
     "sampler.noise_level=0.7" "sampler.window_size=2" "sampler.window_range=[0,3]"
     "lora.rank=4" "lora.alpha=8" "optim.lr=1e-3"
