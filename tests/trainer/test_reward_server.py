@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from boogu_data import PromptRecord
+from boogu_trainer.config import ConfigError, load_config
 from boogu_trainer.reward_server import RewardServer, is_loopback, main, serve
-from boogu_trainer.rewards import RewardError, build_reward
+from boogu_trainer.rewards import RewardError, build_reward, validate_reward_spec
+from boogu_trainer.rewards import http as http_module
 from boogu_trainer.rewards.http import HttpReward
 
 
@@ -409,3 +411,142 @@ def test_the_request_follows_the_protocol(fake) -> None:
 def test_bad_options_are_refused(options, match) -> None:
     with pytest.raises(ValueError, match=match):
         build_reward("http", **options)
+
+
+# --- the client: a server that is down, answers without end, or a bad url ----------------------------
+
+
+def test_a_server_that_is_down_asks_whether_it_runs() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(RewardError) as error_info:
+        _client(url, retries=1, backoff_s=0.0)(_images(1), _records(1))
+    message = str(error_info.value)
+    assert (
+        f"{url}/score" in message
+        and f"nothing listens on 127.0.0.1:{port} (is the server running?)" in message
+    )
+
+
+class _Answers(ThreadingHTTPServer):
+    """A server whose every answer is ``handler``'s; counts the bytes of the answers it sent."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, answer) -> None:
+        server = self
+        self.sent = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                answer(self, server)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # the client hung up on the answer, as intended
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self) -> _Answers:
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def test_an_endless_answer_is_cut_at_the_limit(monkeypatch) -> None:
+    monkeypatch.setattr(http_module, "ANSWER_BASE_BYTES", 100_000)
+    limit = http_module.answer_limit(2)
+
+    def endless(handler, server) -> None:  # no Content-Length: the body ends when the server closes
+        handler.send_response(200)
+        handler.end_headers()
+        piece = b" " * 2**16
+        for _ in range(1024):  # 64 MiB
+            handler.wfile.write(piece)
+            server.sent += len(piece)
+
+    with _Answers(endless) as server:
+        start = time.monotonic()
+        with pytest.raises(
+            RewardError, match=rf"{server.url}/score answered images 0-1 with too much.*limit of {limit}"
+        ):
+            _client(server.url)(_images(2), _records(2))
+        assert time.monotonic() - start < 2
+        deadline = time.monotonic() + 5
+        while server.sent < 2**20 and time.monotonic() < deadline:  # let the handler see the hang-up
+            time.sleep(0.01)
+    # Reading stopped at the limit: what the sockets buffered was sent too, not the 64 MiB.
+    assert limit < server.sent < 32 * 2**20
+
+
+def test_a_too_long_content_length_fails_before_reading(monkeypatch) -> None:
+    released = threading.Event()
+
+    def promise(handler, server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(10**9))
+        handler.end_headers()
+        handler.wfile.flush()
+        released.wait(10)  # and send nothing
+
+    with _Answers(promise) as server:
+        start = time.monotonic()
+        try:
+            with pytest.raises(
+                RewardError, match=r"Content-Length is 1000000000 bytes, more than the limit of"
+            ):
+                _client(server.url, timeout_s=2.0, retries=0)(_images(1), _records(1))
+        finally:
+            released.set()
+    assert time.monotonic() - start < 1
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:notaport", "Port could not be cast to integer value as 'notaport'"),
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://127.0.0.1:0", "port 0"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://::1:8123", "Port could not be cast"),
+        ("http://127.0.0.1:8123?reward=x", "query or fragment"),
+        ("http://127.0.0.1:8123/#top", "query or fragment"),
+        ("http://:8123", "no host"),
+        ("http://user:pw@127.0.0.1:8123", "credentials"),
+        ("http://127.0.0.1:8123 ", "spaces"),
+        ("ftp://127.0.0.1:8123", "http:// or https://"),
+        ("http://127.0.0.1:8123/health", "service root"),
+    ],
+)
+def test_bad_urls_are_refused_when_the_config_loads(url: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        validate_reward_spec("http", {"url": url})
+    with pytest.raises(ValueError, match=re.escape(problem)):  # the same rule when built
+        build_reward("http", url=url)
+    override = f"reward.rewards=[{{name: http, kwargs: {{url: '{url}'}}}}]"
+    with pytest.raises(ConfigError) as error_info:
+        load_config(None, [override])
+    message = str(error_info.value)
+    assert message.startswith("reward.rewards[0]: http reward: url") and problem in message
+
+
+def test_good_urls_pass(served) -> None:
+    _, server = served
+    for url in ("http://[::1]:8123", "https://judge.example:443/rewards/aesthetic/", "http://localhost"):
+        assert validate_reward_spec("http", {"url": url, "batch_size": 4}) is None
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        validate_reward_spec("http", {"url": "http://127.0.0.1:8123", "batch_size": 0})
+    assert _client(server.url + "/").url == server.url
