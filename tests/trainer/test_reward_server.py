@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
@@ -9,11 +10,14 @@ import math
 import os
 import queue
 import re
+import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,8 +26,10 @@ import pytest
 import torch
 
 from boogu_data import PromptRecord
+from boogu_trainer.config import ConfigError, load_config
 from boogu_trainer.reward_server import RewardServer, is_loopback, main, serve
-from boogu_trainer.rewards import RewardError, build_reward
+from boogu_trainer.rewards import RewardError, build_reward, validate_reward_spec
+from boogu_trainer.rewards import http as http_module
 from boogu_trainer.rewards.http import HttpReward
 
 
@@ -189,6 +195,7 @@ def _score_body(**overrides) -> bytes:
         ("POST", "/score", _score_body(records=[{"index": 0}] * 2), 400, "record 0: .*instruction"),
         ("POST", "/score", _score_body(records=[{"instruction": "x", "index": -1}] * 2), 400, "record 0"),
         ("POST", "/score", _score_body(records=[]), 400, "2 images but 0 records"),
+        ("POST", "/score", b"[" * 100_000, 400, "nested too deeply"),
         ("GET", "/score", None, 405, "POST /score"),
         ("GET", "/nope", None, 404, "/nope"),
     ],
@@ -409,3 +416,275 @@ def test_the_request_follows_the_protocol(fake) -> None:
 def test_bad_options_are_refused(options, match) -> None:
     with pytest.raises(ValueError, match=match):
         build_reward("http", **options)
+
+
+# --- bounds on a request: pixels, time; a taken port ----------------------------------------------
+
+
+def _png(width: int, height: int, idat: bytes | None = None) -> bytes:
+    """A black 8-bit RGB PNG built by hand (rows of zeros compress about 1000:1, so a large one is
+    cheap to make); ``idat`` replaces its compressed pixel data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    if idat is None:
+        compressor = zlib.compressobj(9)
+        row = bytes(1 + 3 * width)  # filter byte 0, then the row's RGB bytes
+        idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _pngs_body(*pngs: bytes) -> bytes:
+    images = [base64.b64encode(png).decode("ascii") for png in pngs]
+    records = [{"instruction": f"prompt {i}"} for i in range(len(pngs))]
+    return json.dumps({"version": 1, "images": images, "records": records}).encode()
+
+
+def test_a_decompression_bomb_is_refused_from_its_header(served) -> None:
+    reward, server = served
+    bomb = _png(5000, 5000)  # 25 M pixels, 75 MB decoded, more than the default 4096² per image
+    assert len(bomb) < 200_000
+    status, payload = _raw_request(server.url, "POST", "/score", _pngs_body(bomb))
+    assert status == 413 and payload["error"]["type"] == "too_many_pixels"
+    assert re.search(
+        r"image 0 is 5000x5000, .*limit of 16777216 pixels per image", payload["error"]["message"]
+    )
+    # The header is read, not the pixels: a PNG whose data is junk is refused for its size too (a
+    # decoder would have failed on the junk, 400), also above PIL's own bomb limit.
+    for size in (5000, 100_000):
+        status, payload = _raw_request(server.url, "POST", "/score", _pngs_body(_png(size, size, b"junk")))
+        assert status == 413 and f"{size}x{size}" in payload["error"]["message"]
+    assert reward.calls == []
+
+
+def test_the_pixels_of_a_request_are_bounded() -> None:
+    reward = _Recording()
+    with serve(reward, max_pixels_per_image=32 * 32, max_pixels_per_request=3 * 32 * 32) as server:
+        client = _client(server.url, batch_size=4)
+        with pytest.raises(
+            RewardError, match=r"HTTP 413.*4 images have 4096 pixels in all.*3072 per request"
+        ):
+            client(_images(4, size=32), _records(4))
+        assert reward.calls == []  # refused before decoding, and a 413 is not retried
+        with pytest.raises(RewardError, match=r"HTTP 413.*image 0 is 33x33, .*1024 pixels per image"):
+            client(_images(1, size=33), _records(1))
+        scores = _client(server.url, batch_size=3)(_images(4, size=32), _records(4))
+    assert [len(call[1]) for call in reward.calls] == [3, 1]
+    assert torch.equal(scores, build_reward("demo_brightness")(_images(4, size=32), _records(4)))
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _read_answer(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the answer on ``sock``, read until the server closes it."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+_HEAD = (
+    b"POST /score HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+)
+
+
+def test_a_body_that_stops_short_is_a_408() -> None:
+    with serve(_Recording(), request_timeout_s=0.3) as server, _connect(server.url) as sock:
+        start = time.monotonic()
+        sock.sendall(_HEAD + b'{"version": 1')  # 13 of the 1000 bytes promised, then silence
+        status, payload = _read_answer(sock)
+    assert status == 408 and payload["error"]["type"] == "request_timeout"
+    assert "0.3 s" in payload["error"]["message"] and time.monotonic() - start < 2
+
+
+def test_a_dripping_body_is_cut_at_the_total_deadline() -> None:
+    """One byte every 0.1 s: each read is quick, only a deadline for the whole request ends it."""
+    with serve(_Recording(), request_timeout_s=0.55) as server, _connect(server.url) as sock:
+        start = time.monotonic()
+        sock.sendall(_HEAD)
+        # Stop dripping once the answer is there (1000 bytes would take 100 s).
+        while not select.select([sock], [], [], 0.1)[0] and time.monotonic() - start < 5:
+            sock.sendall(b" ")
+        status, payload = _read_answer(sock)
+    assert status == 408 and payload["error"]["type"] == "request_timeout"
+    assert time.monotonic() - start < 2
+
+
+def test_dripping_headers_are_cut_at_the_total_deadline() -> None:
+    with serve(_Recording(), request_timeout_s=0.55) as server, _connect(server.url) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /score HTTP/1.1\r\nX-Slow: ")
+        closed = False
+        while not closed and time.monotonic() - start < 5:
+            if select.select([sock], [], [], 0.1)[0]:
+                try:
+                    closed = sock.recv(1024) == b""
+                except ConnectionResetError:
+                    closed = True
+            else:
+                sock.sendall(b"a")
+    assert closed and time.monotonic() - start < 2
+
+
+def test_a_taken_port_is_a_one_line_error(capsys) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--reward", "demo_brightness", "--port", str(port), "--log-level", "WARNING"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
+
+
+def test_the_server_options_are_checked(capsys) -> None:
+    for flag in ("--max-pixels-per-image", "--max-pixels-per-request", "--request-timeout-s"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--reward", "demo_brightness", flag, "0"])
+        assert exit_info.value.code == 2 and f"{flag} must be > 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        RewardServer(_Recording(), request_timeout_s=float("inf"))
+
+
+# --- the client: a server that is down, answers without end, or a bad url ----------------------------
+
+
+def test_a_server_that_is_down_asks_whether_it_runs() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(RewardError) as error_info:
+        _client(url, retries=1, backoff_s=0.0)(_images(1), _records(1))
+    message = str(error_info.value)
+    assert (
+        f"{url}/score" in message
+        and f"nothing listens on 127.0.0.1:{port} (is the server running?)" in message
+    )
+
+
+class _Answers(ThreadingHTTPServer):
+    """A server whose every answer is ``handler``'s; counts the bytes of the answers it sent."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, answer) -> None:
+        server = self
+        self.sent = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                answer(self, server)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # the client hung up on the answer, as intended
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self) -> _Answers:
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def test_an_endless_answer_is_cut_at_the_limit(monkeypatch) -> None:
+    monkeypatch.setattr(http_module, "ANSWER_BASE_BYTES", 100_000)
+    limit = http_module.answer_limit(2)
+
+    def endless(handler, server) -> None:  # no Content-Length: the body ends when the server closes
+        handler.send_response(200)
+        handler.end_headers()
+        piece = b" " * 2**16
+        for _ in range(1024):  # 64 MiB
+            handler.wfile.write(piece)
+            server.sent += len(piece)
+
+    with _Answers(endless) as server:
+        start = time.monotonic()
+        with pytest.raises(
+            RewardError, match=rf"{server.url}/score answered images 0-1 with too much.*limit of {limit}"
+        ):
+            _client(server.url)(_images(2), _records(2))
+        assert time.monotonic() - start < 2
+        deadline = time.monotonic() + 5
+        while server.sent < 2**20 and time.monotonic() < deadline:  # let the handler see the hang-up
+            time.sleep(0.01)
+    # Reading stopped at the limit: what the sockets buffered was sent too, not the 64 MiB.
+    assert limit < server.sent < 32 * 2**20
+
+
+def test_a_too_long_content_length_fails_before_reading(monkeypatch) -> None:
+    released = threading.Event()
+
+    def promise(handler, server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(10**9))
+        handler.end_headers()
+        handler.wfile.flush()
+        released.wait(10)  # and send nothing
+
+    with _Answers(promise) as server:
+        start = time.monotonic()
+        try:
+            with pytest.raises(
+                RewardError, match=r"Content-Length is 1000000000 bytes, more than the limit of"
+            ):
+                _client(server.url, timeout_s=2.0, retries=0)(_images(1), _records(1))
+        finally:
+            released.set()
+    assert time.monotonic() - start < 1
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:notaport", "Port could not be cast to integer value as 'notaport'"),
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://127.0.0.1:0", "port 0"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://::1:8123", "Port could not be cast"),
+        ("http://127.0.0.1:8123?reward=x", "query or fragment"),
+        ("http://127.0.0.1:8123/#top", "query or fragment"),
+        ("http://:8123", "no host"),
+        ("http://user:pw@127.0.0.1:8123", "credentials"),
+        ("http://127.0.0.1:8123 ", "spaces"),
+        ("ftp://127.0.0.1:8123", "http:// or https://"),
+        ("http://127.0.0.1:8123/health", "service root"),
+    ],
+)
+def test_bad_urls_are_refused_when_the_config_loads(url: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        validate_reward_spec("http", {"url": url})
+    with pytest.raises(ValueError, match=re.escape(problem)):  # the same rule when built
+        build_reward("http", url=url)
+    override = f"reward.rewards=[{{name: http, kwargs: {{url: '{url}'}}}}]"
+    with pytest.raises(ConfigError) as error_info:
+        load_config(None, [override])
+    message = str(error_info.value)
+    assert message.startswith("reward.rewards[0]: http reward: url") and problem in message
+
+
+def test_good_urls_pass(served) -> None:
+    _, server = served
+    for url in ("http://[::1]:8123", "https://judge.example:443/rewards/aesthetic/", "http://localhost"):
+        assert validate_reward_spec("http", {"url": url, "batch_size": 4}) is None
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        validate_reward_spec("http", {"url": "http://127.0.0.1:8123", "batch_size": 0})
+    assert _client(server.url + "/").url == server.url

@@ -822,6 +822,46 @@ def test_validate_reward_spec_rejects_typos(user_module: str, name: str, kwargs:
     assert sys.modules[user_module].BUILT == []
 
 
+def test_a_registered_check_sees_the_option_values(monkeypatch) -> None:
+    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+    monkeypatch.setattr(registry_module, "_CHECKS", dict(registry_module._CHECKS))
+    seen: list[dict] = []
+
+    def check(kwargs) -> None:
+        seen.append(dict(kwargs))
+        if kwargs.get("scale", 1.0) <= 0:
+            raise ValueError(f"test_checked: scale must be > 0, got {kwargs['scale']!r}")
+
+    @register_reward("test_checked", check=check)
+    def checked(scale: float = 1.0) -> RewardFn:
+        raise AssertionError("validate_reward_spec must not build the reward")
+
+    assert validate_reward_spec("test_checked", {"scale": 2.0}) is None
+    with pytest.raises(ValueError, match="scale must be > 0, got -1"):
+        validate_reward_spec("test_checked", {"scale": -1})
+    with pytest.raises(ValueError, match="nope"):  # names first: the check sees only known options
+        validate_reward_spec("test_checked", {"nope": 1})
+    assert seen == [{"scale": 2.0}, {"scale": -1}]
+
+
+@pytest.mark.parametrize(
+    ("base_url", "problem"),
+    [
+        ("http://127.0.0.1:notaport/v1", "Port could not be cast"),
+        ("http://[::1/v1", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:8000/v1?key=x", "query or fragment"),
+        ("http://127.0.0.1:70000/v1", "Port out of range"),
+    ],
+)
+def test_vlm_ocr_base_url_is_checked_without_building(base_url: str, problem: str) -> None:
+    for check in (
+        lambda: validate_reward_spec("vlm_ocr", {"base_url": base_url}),
+        lambda: build_reward("vlm_ocr", base_url=base_url),
+    ):
+        with pytest.raises(ValueError, match=rf"^vlm_ocr: base_url .*{problem}"):
+            check()
+
+
 def test_transcription_rewards_share_one_scoring() -> None:
     class Fixed(TranscriptionReward):
         name = "fixed"

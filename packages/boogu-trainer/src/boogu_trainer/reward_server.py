@@ -8,15 +8,19 @@ or machine, and the trainer scores with the ``http`` reward pointed at it::
 The protocol is in docs/reward-service.md: ``POST /score`` with base64 PNGs and their prompt
 records, answered by one score per image; ``GET /health`` names the reward and its options.
 Standard library only (``http.server``): one reward instance, calls to it serialised by a lock
-(requests are decoded in parallel), JSON errors (400 for a bad request, 500 with the exception's
-message when the reward fails). It listens on a loopback address only, unless ``--allow-remote``:
-the protocol has no TLS, and a bearer token (``--api-key-env``) is its only access control.
+(requests are decoded in parallel), JSON errors (4xx for a bad request, 500 with the exception's
+message when the reward fails). A request is bounded in bytes (``--max-body-mb``), in pixels
+before any is decoded (``--max-pixels-per-image``, ``--max-pixels-per-request``) and in time: its
+line, headers and body must arrive within ``--request-timeout-s`` in all. It listens on a
+loopback address only, unless ``--allow-remote``: the protocol has no TLS, and a bearer token
+(``--api-key-env``) is its only access control.
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
+import io
 import ipaddress
 import json
 import logging
@@ -25,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -36,17 +41,40 @@ from boogu_trainer.rewards import RewardFn, build_reward
 from boogu_trainer.rewards.base import scores_tensor
 from boogu_trainer.rewards.http import (
     PROTOCOL_VERSION,
+    ImageTooLarge,
     decode_png,
+    png_bytes,
+    png_size,
     record_from_json,
     scores_to_json,
 )
+from boogu_trainer.rewards.transport import DeadlineReader
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "RewardServer", "main", "serve"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_PIXELS_PER_IMAGE",
+    "DEFAULT_MAX_PIXELS_PER_REQUEST",
+    "DEFAULT_REQUEST_TIMEOUT_S",
+    "RewardServer",
+    "main",
+    "serve",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 512 * 2**20
 """Largest request body accepted (413 above it): 512 MiB, some hundreds of 1024² PNGs."""
+
+DEFAULT_MAX_PIXELS_PER_IMAGE = 4096 * 4096
+"""Most pixels one image may declare in its PNG header (413 above it, before decoding)."""
+
+DEFAULT_MAX_PIXELS_PER_REQUEST = 64 * 2**20
+"""Most pixels the images of one request may declare in all: 64 images of 1024², 4 of 4096². Decoded
+as uint8 RGB they take 192 MiB, and the batch some copies of that; a black PNG compresses about
+1000:1, so without this a 1 MB body could ask for gigabytes."""
+
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+"""Seconds for a request's line, headers and body to arrive, in all (408, or a closed connection)."""
 
 
 class _BadRequest(Exception):
@@ -78,8 +106,18 @@ class RewardServer(ThreadingHTTPServer):
         allow_remote: bool = False,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        client_timeout_s: float = 120.0,
+        max_pixels_per_image: int = DEFAULT_MAX_PIXELS_PER_IMAGE,
+        max_pixels_per_request: int = DEFAULT_MAX_PIXELS_PER_REQUEST,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
+        for option, value in [
+            ("max_body_bytes", max_body_bytes),
+            ("max_pixels_per_image", max_pixels_per_image),
+            ("max_pixels_per_request", max_pixels_per_request),
+            ("request_timeout_s", request_timeout_s),
+        ]:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValueError(f"reward server: {option} must be a finite number > 0, got {value!r}")
         if not allow_remote and not is_loopback(host):
             raise ValueError(
                 f"reward server: refusing to listen on {host!r}, which is not a loopback address "
@@ -93,7 +131,9 @@ class RewardServer(ThreadingHTTPServer):
         self.options = dict(options or {})
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.client_timeout_s = client_timeout_s
+        self.max_pixels_per_image = max_pixels_per_image
+        self.max_pixels_per_request = max_pixels_per_request
+        self.request_timeout_s = float(request_timeout_s)
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
@@ -153,14 +193,13 @@ class RewardServer(ThreadingHTTPServer):
                 f"got {len(images)} images but {len(records)} records; record i describes image i"
             )
         arrays = []
-        for i, image in enumerate(images):
+        for i, data in enumerate(self._checked_pngs(images)):
             try:
-                arrays.append(decode_png(image))
+                arrays.append(decode_png(data, self.max_pixels_per_image))
+            except ImageTooLarge as error:  # PIL's own bomb limit, when ours is set above it
+                raise _BadRequest(f"image {i}: {error}", 413, "too_many_pixels") from None
             except ValueError as error:
                 raise _BadRequest(f"image {i}: {error}") from None
-        if len({array.shape for array in arrays}) > 1:
-            shapes = sorted({f"{a.shape[1]}x{a.shape[0]}" for a in arrays})
-            raise _BadRequest(f"the images of one request must have one size, got {', '.join(shapes)}")
         parsed = []
         for i, record in enumerate(records):
             try:
@@ -174,6 +213,38 @@ class RewardServer(ThreadingHTTPServer):
             values = self.reward(batch, parsed)
         scores = scores_tensor(values, len(arrays), self.reward_name)
         return {"version": PROTOCOL_VERSION, "reward": self.reward_name, "scores": scores_to_json(scores)}
+
+    def _checked_pngs(self, images: list[object]) -> list[bytes]:
+        """The PNGs' bytes, once their headers fit the pixel limits and one size: nothing decoded yet."""
+        pngs, sizes = [], []
+        for i, image in enumerate(images):
+            try:
+                data = png_bytes(image)
+                width, height = png_size(data)
+            except ValueError as error:
+                raise _BadRequest(f"image {i}: {error}") from None
+            if width * height > self.max_pixels_per_image:
+                raise _BadRequest(
+                    f"image {i} is {width}x{height}, more than the server's limit of "
+                    f"{self.max_pixels_per_image} pixels per image (--max-pixels-per-image)",
+                    413,
+                    "too_many_pixels",
+                )
+            pngs.append(data)
+            sizes.append((width, height))
+        total = sum(width * height for width, height in sizes)
+        if total > self.max_pixels_per_request:
+            raise _BadRequest(
+                f"the {len(sizes)} images have {total} pixels in all, more than the server's limit of "
+                f"{self.max_pixels_per_request} per request (--max-pixels-per-request); lower the "
+                "http reward's batch_size",
+                413,
+                "too_many_pixels",
+            )
+        if len(set(sizes)) > 1:
+            shapes = sorted({f"{width}x{height}" for width, height in sizes})
+            raise _BadRequest(f"the images of one request must have one size, got {', '.join(shapes)}")
+        return pngs
 
     def health(self) -> dict[str, Any]:
         return {
@@ -189,9 +260,18 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "boogu-reward-server"
 
     def setup(self) -> None:
-        # A client that stops sending mid-request must not hold a thread for ever.
-        self.timeout = self.server.client_timeout_s
         super().setup()
+        # Every read of a request (its line, headers and body) ends by one deadline, set when the
+        # request begins: a per-read socket timeout would let a client that sends a byte now and
+        # then hold this thread for as long as it likes.
+        self.rfile.close()
+        self._reader = DeadlineReader(self.connection, time.monotonic() + self.server.request_timeout_s)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        # The wait for a kept-alive connection's next request counts too: an idle one is closed.
+        self._reader.deadline = time.monotonic() + self.server.request_timeout_s
+        super().handle_one_request()
 
     def do_GET(self) -> None:
         if not self._authorised():
@@ -231,6 +311,27 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, answer)
 
     def _read_json(self) -> object:
+        try:
+            raw = self._read_body()
+        except TimeoutError:
+            self.close_connection = True
+            raise _BadRequest(
+                f"the request did not arrive within the server's {self.server.request_timeout_s:g} s "
+                "(--request-timeout-s)",
+                408,
+                "request_timeout",
+            ) from None
+        except OSError as error:  # reset by the client: the answer will not reach it either
+            self.close_connection = True
+            raise _BadRequest(f"the request body could not be read: {error}") from None
+        try:
+            return json.loads(raw)
+        except ValueError as error:
+            raise _BadRequest(f"the request body is not JSON: {error}") from None
+        except RecursionError:
+            raise _BadRequest("the request body is JSON nested too deeply") from None
+
+    def _read_body(self) -> bytes:
         length_header = self.headers.get("Content-Length")
         if length_header is None:
             raise _BadRequest(
@@ -257,11 +358,9 @@ class _Handler(BaseHTTPRequestHandler):
             )
         raw = self.rfile.read(length)
         if len(raw) != length:
+            self.close_connection = True
             raise _BadRequest(f"the request body ended after {len(raw)} of {length} bytes")
-        try:
-            return json.loads(raw)
-        except ValueError as error:
-            raise _BadRequest(f"the request body is not JSON: {error}") from None
+        return raw
 
     def _authorised(self) -> bool:
         key = self.server.api_key
@@ -284,6 +383,8 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         body = json.dumps(payload, allow_nan=False).encode("utf-8")
         try:
+            # The reads may have left the socket a short timeout; the answer gets a whole one.
+            self.connection.settimeout(self.server.request_timeout_s)
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -324,7 +425,8 @@ def serve(
 
     Returns the started `RewardServer`: ``.url`` is where to point the ``http`` reward, and
     ``.close()`` stops it. ``kwargs`` are `RewardServer`'s (``options`` shown by ``/health``,
-    ``allow_remote``, ``api_key``, ``max_body_bytes``, ``client_timeout_s``).
+    ``allow_remote``, ``api_key``, ``max_body_bytes``, ``max_pixels_per_image``,
+    ``max_pixels_per_request``, ``request_timeout_s``).
     """
     return RewardServer(reward, host, port, **kwargs).start()
 
@@ -347,6 +449,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20, help="largest request body, MiB"
     )
+    parser.add_argument(
+        "--max-pixels-per-image",
+        type=int,
+        default=DEFAULT_MAX_PIXELS_PER_IMAGE,
+        help="most pixels one image may have (default 4096*4096), checked before decoding",
+    )
+    parser.add_argument(
+        "--max-pixels-per-request",
+        type=int,
+        default=DEFAULT_MAX_PIXELS_PER_REQUEST,
+        help="most pixels the images of one request may have in all (default 64*2**20)",
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds for a request's line, headers and body to arrive, in all (default 60)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -368,6 +488,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--host {args.host!r} is not a loopback address; pass --allow-remote to serve it")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in [
+        ("--max-body-mb", args.max_body_mb),
+        ("--max-pixels-per-image", args.max_pixels_per_image),
+        ("--max-pixels-per-request", args.max_pixels_per_request),
+        ("--request-timeout-s", args.request_timeout_s),
+    ]:
+        if not 0 < value < float("inf"):
+            parser.error(f"{flag} must be > 0, got {value}")
     api_key = None
     if args.api_key_env is not None:
         api_key = os.environ.get(args.api_key_env, "")
@@ -377,15 +505,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         reward = build_reward(args.reward, **kwargs)
     except ValueError as error:
         parser.error(str(error))
-    server = RewardServer(
-        reward,
-        args.host,
-        args.port,
-        options=kwargs,
-        allow_remote=args.allow_remote,
-        api_key=api_key,
-        max_body_bytes=int(args.max_body_mb * 2**20),
-    )
+    try:
+        server = RewardServer(
+            reward,
+            args.host,
+            args.port,
+            options=kwargs,
+            allow_remote=args.allow_remote,
+            api_key=api_key,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            max_pixels_per_image=args.max_pixels_per_image,
+            max_pixels_per_request=args.max_pixels_per_request,
+            request_timeout_s=args.request_timeout_s,
+        )
+    except OSError as error:  # the port is taken, or the address is not this machine's
+        address = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+        print(
+            f"boogu-reward-server: error: cannot listen on {address}: {error.strerror or error}",
+            file=sys.stderr,
+        )
+        return 2
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -11,8 +11,8 @@ request and reading the whole answer;
 transient failures (connection errors, a missed deadline, HTTP 408/425/429/5xx) are retried with
 exponential backoff; after the last retry, or at once for any other status (3xx, 4xx; redirects
 are not followed) or a malformed answer (not JSON, the wrong protocol version, the wrong number of
-scores, a score that is not a number or null), a `RewardError` names the URL, the images and what
-was wrong, with an excerpt of the answer.
+scores, a score that is not a number or null, longer than `answer_limit`), a `RewardError` names
+the URL, the images and what was wrong, with an excerpt of the answer.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import json
 import logging
 import math
 import os
+import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,19 +37,26 @@ from boogu_data import PromptRecord
 from boogu_trainer.rewards.base import RewardError, check_batch, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
 from boogu_trainer.rewards.transport import (
+    AnswerTooLarge,
     TransientError,
     excerpt,
     is_int,
     is_number,
     resolve_endpoint,
     send_once,
+    service_url,
 )
 
 __all__ = [
     "PROTOCOL_VERSION",
     "HttpReward",
+    "ImageTooLarge",
+    "answer_limit",
+    "check_options",
     "decode_png",
     "encode_png",
+    "png_bytes",
+    "png_size",
     "record_from_json",
     "record_to_json",
     "scores_from_json",
@@ -60,8 +68,19 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 """The reward-service protocol version this module speaks (the ``"version"`` of every message)."""
 
+ANSWER_BASE_BYTES = 4 * 2**20
+ANSWER_BYTES_PER_IMAGE = 64 * 2**10
+"""An answer may have `ANSWER_BASE_BYTES` plus this per image (`answer_limit`): a score takes some
+25 bytes, the rest leaves room for fields a server adds (a judge's reasons, say)."""
+
 # PromptRecord fields holding bytes: base64 text on the wire.
 _BYTES_FIELDS = frozenset({"ref_image"})
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class ImageTooLarge(ValueError):
+    """An image has more pixels than allowed (a decompression bomb, or a batch too large)."""
 
 
 # --- the protocol's encodings, shared with the server ---------------------------------------------
@@ -75,22 +94,60 @@ def encode_png(rgb: np.ndarray) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def decode_png(text: object) -> np.ndarray:
-    """Base64 PNG text -> ``(H, W, 3)`` uint8 RGB array. Raises ValueError saying what is wrong."""
+def png_bytes(text: object) -> bytes:
+    """Base64 PNG text -> the PNG's bytes, checked to start like a PNG. Raises ValueError."""
     if not isinstance(text, str):
         raise ValueError(f"an image must be base64 PNG text, got {type(text).__name__}")
     try:
         data = base64.b64decode(text, validate=True)
     except ValueError as error:
         raise ValueError(f"an image is not valid base64: {error}") from None
+    if not data.startswith(_PNG_SIGNATURE):
+        raise ValueError(f"an image must be a PNG, got {_format_name(data)}")
+    return data
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """``(width, height)`` from a PNG's IHDR chunk, the first after the signature: no pixel is read.
+
+    The decoder allocates what IHDR declares, so this is the size to bound before decoding.
+    """
+    # Signature (8 bytes), then the IHDR chunk: length (4), b"IHDR", width and height (big-endian).
+    if len(data) < 24 or data[12:16] != b"IHDR":
+        raise ValueError("an image could not be decoded as PNG: no IHDR chunk after the signature")
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def decode_png(text: str | bytes, max_pixels: int | None = None) -> np.ndarray:
+    """Base64 PNG text (or `png_bytes`' bytes) -> ``(H, W, 3)`` uint8 RGB array.
+
+    Raises ValueError saying what is wrong; `ImageTooLarge` (checked from the header, before any
+    pixel is decoded) for more than ``max_pixels`` pixels, or more than PIL's own bomb limit.
+    """
+    data = text if isinstance(text, bytes) else png_bytes(text)
+    width, height = png_size(data)
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageTooLarge(f"an image of {width}x{height} has more than {max_pixels} pixels")
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format != "PNG":
                 raise ValueError(f"an image must be a PNG, got {image.format or 'an unknown format'}")
             rgb = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except (OSError, SyntaxError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError as error:
+        raise ImageTooLarge(f"an image of {width}x{height} is refused by PIL: {error}") from None
+    except (OSError, SyntaxError) as error:
         raise ValueError(f"an image could not be decoded as PNG: {error}") from None
     return rgb
+
+
+def _format_name(data: bytes) -> str:
+    """The image format PIL finds in ``data`` (header only), for an error message."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.format or "an unknown format"
+    except Exception:  # not an image at all, or one PIL refuses to open
+        return "an unknown format"
 
 
 def record_to_json(record: PromptRecord, *, ref_image: bool = True) -> dict[str, Any]:
@@ -134,6 +191,11 @@ def scores_to_json(scores: torch.Tensor) -> list[float | None]:
     return [value if math.isfinite(value) else None for value in scores.to(torch.float64).tolist()]
 
 
+def answer_limit(images: int) -> int:
+    """The most bytes the client reads of an answer about ``images`` images (0: ``/health``)."""
+    return ANSWER_BASE_BYTES + ANSWER_BYTES_PER_IMAGE * images
+
+
 def scores_from_json(value: object, count: int) -> list[float]:
     """Check an answer's ``scores``: ``count`` numbers or nulls (NaN). Raises ValueError otherwise."""
     if not isinstance(value, list):
@@ -154,7 +216,44 @@ def scores_from_json(value: object, count: int) -> list[float]:
 # --- the reward ----------------------------------------------------------------------------------
 
 
-@register_reward("http")
+def service_root(url: object) -> str:
+    """The ``url`` option, checked (`service_url`'s rule, and not an endpoint), without trailing ``/``."""
+    url = service_url(url, "http reward", "url")
+    if url.endswith(("/score", "/health")):
+        raise ValueError(
+            f"http reward: url must be the service root (e.g. http://127.0.0.1:8123), got {url!r}; "
+            "'/score' is appended"
+        )
+    return url
+
+
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "reward": (lambda value: value is None or (isinstance(value, str) and bool(value)), "a name or None"),
+    "batch_size": (lambda value: is_int(value) and value >= 1, "an int >= 1"),
+    "timeout_s": (lambda value: is_number(value) and value > 0, "> 0"),
+    "retries": (lambda value: is_int(value) and value >= 0, "an int >= 0"),
+    "backoff_s": (lambda value: is_number(value) and value >= 0, ">= 0"),
+    "backoff_max_s": (lambda value: is_number(value) and value >= 0, ">= 0"),
+    "on_error": (lambda value: value in ("raise", "nan"), "'raise' or 'nan'"),
+    "name": (lambda value: isinstance(value, str) and bool(value), "a non-empty string"),
+}
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """The ``http`` reward's rules for the option values given (the others take valid defaults).
+
+    Cheap, no environment and no network: the registry runs it when a config loads, and
+    `HttpReward` when it is built. Raises ValueError naming the option.
+    """
+    for option, value in options.items():
+        if option == "url":
+            service_root(value)
+        elif option in _RULES:
+            ok, allowed = _RULES[option]
+            _require(ok(value), option, value, allowed)
+
+
+@register_reward("http", check=check_options)
 class HttpReward:
     """A reward computed by a reward service (``boogu-reward-server`` or any server of the protocol).
 
@@ -190,24 +289,20 @@ class HttpReward:
         on_error: str = "raise",
         name: str = "http",
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"http reward: url must start with http:// or https://, got {url!r}")
-        url = url.rstrip("/")
-        if url.endswith(("/score", "/health")):
-            raise ValueError(
-                f"http reward: url must be the service root (e.g. http://127.0.0.1:8123), got {url!r}; "
-                "'/score' is appended"
-            )
-        _require(reward is None or (isinstance(reward, str) and reward), "reward", reward, "a name or None")
-        _require(is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an int >= 1")
-        _require(is_number(timeout_s) and timeout_s > 0, "timeout_s", timeout_s, "> 0")
-        _require(is_int(retries) and retries >= 0, "retries", retries, "an int >= 0")
-        _require(is_number(backoff_s) and backoff_s >= 0, "backoff_s", backoff_s, ">= 0")
-        _require(is_number(backoff_max_s) and backoff_max_s >= 0, "backoff_max_s", backoff_max_s, ">= 0")
-        _require(isinstance(name, str) and name, "name", name, "a non-empty string")
+        check_options(
+            {
+                "reward": reward,
+                "batch_size": batch_size,
+                "timeout_s": timeout_s,
+                "retries": retries,
+                "backoff_s": backoff_s,
+                "backoff_max_s": backoff_max_s,
+                "name": name,
+            }
+        )
         self.name = name
-        self.url = url
-        self.score_url = f"{url}/score"
+        self.url = service_root(url)
+        self.score_url = f"{self.url}/score"
         self.reward = reward
         self.batch_size = batch_size
         self.timeout_s = float(timeout_s)
@@ -223,7 +318,8 @@ class HttpReward:
                 raise ValueError(f"http reward: api_key_env names {api_key_env!r}, which is unset or empty")
             self._headers["Authorization"] = f"Bearer {key}"
         self._endpoints = {
-            path: resolve_endpoint(f"{url}{path}", use_proxy_env, "http") for path in ("/score", "/health")
+            path: resolve_endpoint(f"{self.url}{path}", use_proxy_env, "http")
+            for path in ("/score", "/health")
         }
         self._headers.update(self._endpoints["/score"].proxy_headers)
 
@@ -255,7 +351,7 @@ class HttpReward:
 
     def health(self) -> dict[str, Any]:
         """The service's ``GET /health`` answer (its reward's name and options), with the retries."""
-        payload = self._exchange("GET", "/health", None, "the health check")
+        payload = self._exchange("GET", "/health", None, "the health check", answer_limit(0))
         if not isinstance(payload, dict):
             raise RewardError(f"http reward: GET {self.url}/health answered {payload!r}, not a JSON object")
         return payload
@@ -263,7 +359,7 @@ class HttpReward:
     def _score_chunk(self, rgb: np.ndarray, records: Sequence[PromptRecord], start: int) -> list[float]:
         what = f"images {start}-{start + len(rgb) - 1}"
         body = json.dumps(self.request_body(rgb, records)).encode("utf-8")
-        payload, raw = self._exchange("POST", "/score", body, what, with_raw=True)
+        payload, raw = self._exchange("POST", "/score", body, what, answer_limit(len(rgb)), with_raw=True)
         try:
             if not isinstance(payload, dict) or "scores" not in payload:
                 raise ValueError("the answer is not a JSON object with 'scores'")
@@ -275,16 +371,18 @@ class HttpReward:
             ) from None
 
     def _exchange(
-        self, method: str, path: str, body: bytes | None, what: str, *, with_raw: bool = False
+        self, method: str, path: str, body: bytes | None, what: str, limit: int, *, with_raw: bool = False
     ) -> Any:
-        """One request with the retries: the parsed JSON answer (and the raw bytes, ``with_raw``)."""
+        """One request with the retries: the parsed JSON answer (and the raw bytes, ``with_raw``).
+
+        An answer longer than ``limit`` bytes is a `RewardError` at once."""
         attempts = self.retries + 1
         last_error: TransientError | None = None
         for attempt in range(attempts):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
             try:
-                raw = self._attempt(method, path, body, what)
+                raw = self._attempt(method, path, body, what, limit)
             except TransientError as error:
                 last_error = error
                 logger.info("http reward: %s %s%s, attempt %d/%d failed: %s", method, self.url, path,
@@ -298,8 +396,15 @@ class HttpReward:
             f"last error: {last_error}"
         )
 
-    def _attempt(self, method: str, path: str, body: bytes | None, what: str) -> bytes:
-        raw = send_once(self._endpoints[path], method, body, self._headers, self.timeout_s, _server_message)
+    def _attempt(self, method: str, path: str, body: bytes | None, what: str, limit: int) -> bytes:
+        endpoint = self._endpoints[path]
+        try:
+            raw = send_once(endpoint, method, body, self._headers, self.timeout_s, _server_message, limit)
+        except AnswerTooLarge as error:
+            raise RewardError(
+                f"http reward: {method} {self.url}{path} answered {what} with too much: {error} "
+                "(is it a reward service?)"
+            ) from None
         if isinstance(raw, str):  # a 3xx/4xx refusal, described
             raise RewardError(f"http reward: {method} {self.url}{path} was rejected for {what}: {raw}")
         return raw

@@ -16,7 +16,9 @@
   checked and converted to a ``(B,)`` float32 tensor.
 
 ``validate_reward_spec(name, kwargs)`` makes the same checks of the name and the option names
-without building the reward, so a config can reject a typo when it loads, before any model does.
+without building the reward, so a config can reject a typo when it loads, before any model does;
+a registered reward's ``check`` (``register_reward(name, check=...)``) also checks the option
+values it can check cheaply (a URL's syntax, not whether a server answers).
 """
 
 from __future__ import annotations
@@ -42,17 +44,26 @@ __all__ = [
 ]
 
 RewardFactory = Callable[..., RewardFn]
+OptionsCheck = Callable[[Mapping[str, Any]], None]
 F = TypeVar("F", bound=RewardFactory)
 
 _REGISTRY: dict[str, RewardFactory] = {}
+_CHECKS: dict[str, OptionsCheck] = {}
 
 
-def register_reward(name: str) -> Callable[[F], F]:
+def register_reward(name: str, *, check: OptionsCheck | None = None) -> Callable[[F], F]:
     """Decorator: register a reward factory (a class or a function returning a `RewardFn`) under ``name``.
 
     The factory's keyword arguments are the reward's options (``build_reward(name, **kwargs)``).
-    Registering a second, different factory under a taken name raises ValueError.
+    ``check(kwargs)``, when given, checks the values of the options given (the others take their
+    defaults) without building anything: no model, no network, no environment. It raises
+    ValueError saying which option is wrong and why; `validate_reward_spec` calls it, so a config
+    reports a bad value when it loads. The factory should apply the same rules (call the same
+    function) when it builds. Registering a second, different factory under a taken name raises
+    ValueError.
     """
+    if check is not None and not callable(check):
+        raise TypeError(f"register_reward({name!r}): check must be callable, got {type(check).__name__}")
     if not isinstance(name, str) or not name or ":" in name or name != name.strip():
         raise ValueError(
             f"reward name must be a non-empty string without ':' or surrounding spaces, got {name!r}"
@@ -67,6 +78,8 @@ def register_reward(name: str) -> Callable[[F], F]:
         if existing is not None and existing is not factory:
             raise ValueError(f"a reward named {name!r} is already registered ({_describe(existing)})")
         _REGISTRY[name] = factory
+        if check is not None:
+            _CHECKS[name] = check
         return factory
 
     return decorator
@@ -80,11 +93,12 @@ def available_rewards() -> tuple[str, ...]:
 def validate_reward_spec(name: str, kwargs: Mapping[str, Any]) -> None:
     """Check that ``build_reward(name, **kwargs)`` can be called, without building the reward.
 
-    Checks the name (registered, or ``module:attribute`` that imports to a class or function) and
-    the option names against the factory's signature (unknown ones, missing required ones); the
-    values are the reward's own business, checked when it is built. Nothing is constructed, so no
-    model or engine loads; a ``module:attribute`` name imports its module. Raises ValueError
-    naming the reward and listing what is allowed (the available names, or the options it takes).
+    Checks the name (registered, or ``module:attribute`` that imports to a class or function), the
+    option names against the factory's signature (unknown ones, missing required ones) and, for a
+    reward registered with a ``check``, the option values that it checks; the other values are
+    checked when the reward is built. Nothing is constructed, so no model or engine loads; a
+    ``module:attribute`` name imports its module. Raises ValueError naming the reward and listing
+    what is allowed (the available names, or the options it takes), or the check's ValueError.
     """
     _checked_factory(name, kwargs)
 
@@ -122,6 +136,9 @@ def _checked_factory(name: str, kwargs: Mapping[str, Any]) -> Callable[..., Any]
             "or a user function as 'package.module:function'"
         )
     _check_kwargs(name, factory, kwargs)
+    check = _CHECKS.get(name)
+    if check is not None:
+        check(kwargs)
     return factory
 
 

@@ -4,7 +4,11 @@ Every attempt has one overall deadline: connecting, sending the request and read
 answer must end within it (a per-read socket timeout alone would let a server that trickles one
 byte a second keep a request alive for ever). `send_once` makes one attempt and sorts its outcome:
 a 2xx body, a refusal worth no retry (a description), or `TransientError` (timeouts, connection
-errors, HTTP 408/425/429/5xx), which the rewards retry with backoff.
+errors, HTTP 408/425/429/5xx), which the rewards retry with backoff. An answer longer than the
+caller's limit is `AnswerTooLarge`, found while reading (not after), and not retried.
+
+`service_url` is the one rule for the rewards' URL options, applied when a config loads (through
+the registry's ``check``) and again when the reward is built.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 __all__ = [
     "RETRYABLE_STATUS",
+    "AnswerTooLarge",
+    "DeadlineReader",
     "Endpoint",
     "TransientError",
     "excerpt",
@@ -30,6 +36,7 @@ __all__ = [
     "is_number",
     "resolve_endpoint",
     "send_once",
+    "service_url",
 ]
 
 # Statuses a server returns while overloaded or restarting: worth another try.
@@ -38,6 +45,10 @@ RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 class TransientError(Exception):
     """One attempt failed in a way a later attempt may not (message only; the HTTP rewards retry it)."""
+
+
+class AnswerTooLarge(Exception):
+    """The answer is longer than the caller's limit (message only; not retried: it would be again)."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,14 @@ def send_once(
     headers: dict[str, str],
     timeout_s: float,
     describe: Callable[[bytes], str],
+    max_answer_bytes: int,
 ) -> bytes | str:
     """One HTTP attempt under one deadline (connect, send and read the whole answer).
 
     Returns the body of a 2xx answer, or a description of a refusal (3xx/4xx that are not worth
     retrying, with ``describe(body)``); raises `TransientError` for timeouts, connection errors and
-    retryable statuses."""
+    retryable statuses, and `AnswerTooLarge` for an answer (of any status) longer than
+    ``max_answer_bytes``: its Content-Length is checked first, then the bytes as they come."""
     connection_class = _DeadlineHTTPSConnection if endpoint.https else _DeadlineHTTPConnection
     connection = connection_class(endpoint.host, endpoint.port, deadline=time.monotonic() + timeout_s)
     if endpoint.tunnel is not None:
@@ -79,14 +92,19 @@ def send_once(
         waiting_for = "answer"
         connection.request(method, endpoint.target, body=body, headers=headers)
         response = connection.getresponse()
-        raw = response.read()
+        raw = _read_capped(response, max_answer_bytes)
     except TimeoutError:
         raise TransientError(
             f"no {waiting_for} within {timeout_s:g} s (the deadline for connecting, sending "
             "and reading the whole answer)"
         ) from None
+    except ConnectionRefusedError:
+        raise TransientError(
+            f"ConnectionRefusedError: nothing listens on {_host_port(endpoint.host, endpoint.port)} "
+            "(is the server running?)"
+        ) from None
     except (OSError, http.client.HTTPException) as error:
-        # Connection refused or reset, server closed mid-answer, truncated body: transient.
+        # Connection reset, server closed mid-answer, truncated body: transient.
         raise TransientError(f"{type(error).__name__}: {error}") from None
     finally:
         connection.close()
@@ -98,6 +116,53 @@ def send_once(
     if 300 <= response.status < 400:
         message += f" (redirects are not followed; Location: {response.getheader('Location')})"
     return message
+
+
+def _read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:
+    """The whole body of ``response``, read in pieces; `AnswerTooLarge` as soon as it passes ``limit``."""
+    if response.length is not None and response.length > limit:
+        raise AnswerTooLarge(f"its Content-Length is {response.length} bytes, more than the limit of {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := response.read(min(2**16, limit + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"it is longer than the limit of {limit} bytes (reading stopped there)")
+    raw = b"".join(chunks)
+    if response.length:  # read(amt) does not raise on a short body, unlike read()
+        raise http.client.IncompleteRead(raw, response.length)
+    return raw
+
+
+def service_url(url: object, owner: str, option: str) -> str:
+    """``url`` checked as the root of an HTTP service; returned without its trailing ``/``.
+
+    The rule for the rewards' URL options (``http``'s ``url``, ``vlm_ocr``'s ``base_url``): scheme
+    http or https, a host (an IPv6 address in brackets), a port in 1-65535 or none, a path or none,
+    and nothing else: no credentials (use ``api_key_env``), query, fragment, spaces or control
+    characters. Cheap (no network): the config checks it when it loads. Raises ValueError naming
+    ``owner`` and ``option``.
+    """
+    where = f"{owner}: {option}"
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{where} must start with http:// or https://, got {url!r}")
+    if any(char.isspace() or not char.isprintable() for char in url):
+        raise ValueError(f"{where} must not contain spaces or control characters, got {url!r}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # parsed on access: ValueError for "notaport" or 99999
+    except ValueError as error:
+        raise ValueError(f"{where} is not a valid URL ({error}), got {url!r}") from None
+    if not parts.hostname:
+        raise ValueError(f"{where} has no host, got {url!r}")
+    if port == 0:
+        raise ValueError(f"{where} has port 0, which cannot be connected to, got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{where} must not hold credentials (use api_key_env), got {url!r}")
+    if "?" in url or "#" in url:
+        raise ValueError(f"{where} must not have a query or fragment ('?', '#'), got {url!r}")
+    return url.rstrip("/")
 
 
 def is_int(value: object) -> bool:
@@ -146,7 +211,7 @@ class _DeadlineMixin:
 
     Before each connect, send and read, the socket timeout is set to the time left (``sendall``
     counts its timeout over the whole call); once it is spent, TimeoutError. Reads go through
-    `_DeadlineReader`, so a server that trickles the status line, the headers or the body cannot
+    `DeadlineReader`, so a server that trickles the status line, the headers or the body cannot
     outlast the deadline.
     """
 
@@ -193,29 +258,38 @@ class _DeadlineSocket:
     def makefile(self, mode: str) -> io.BufferedReader:
         if mode != "rb":
             raise ValueError(f"only 'rb' is supported, got {mode!r}")
-        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+        return io.BufferedReader(DeadlineReader(self._sock, self._deadline))
 
 
-class _DeadlineReader(io.RawIOBase):
-    """Raw reads from a socket, each waiting at most until the deadline."""
+class DeadlineReader(io.RawIOBase):
+    """Raw reads from a socket, each waiting at most until ``deadline``; TimeoutError after it.
+
+    The client reads an answer through it; the reward server reads each request through one,
+    moving ``deadline`` when a request begins.
+    """
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self._sock = sock
         # The socket's own raw file keeps the descriptor open after http.client closes the
         # connection object (it does that when the answer ends with the connection).
         self._raw = sock.makefile("rb", buffering=0)
-        self._deadline = deadline
+        self.deadline = deadline
+        """``time.monotonic()`` by which every read must be over."""
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int | None:
-        self._sock.settimeout(_time_left(self._deadline))
+        self._sock.settimeout(_time_left(self.deadline))
         return self._raw.readinto(buffer)
 
     def close(self) -> None:
         self._raw.close()
         super().close()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _time_left(deadline: float) -> float:

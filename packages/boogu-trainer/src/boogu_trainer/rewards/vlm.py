@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,12 +35,14 @@ from PIL import Image
 from boogu_trainer.rewards.base import RewardError, TranscriptionReward, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
 from boogu_trainer.rewards.transport import (
+    AnswerTooLarge,
     TransientError,
     excerpt,
     is_int,
     is_number,
     resolve_endpoint,
     send_once,
+    service_url,
 )
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_SYSTEM_PROMPT", "VlmOcrReward"]
@@ -52,8 +55,28 @@ DEFAULT_PROMPT = (
     "Please output only the text content from the image without any additional descriptions or formatting."
 )
 
+_MAX_ANSWER_BYTES = 16 * 2**20
+"""The longest chat completion read: ``max_tokens`` of text is far less, even with logprobs."""
 
-@register_reward("vlm_ocr")
+
+def api_root(base_url: object) -> str:
+    """The ``base_url`` option, checked (`service_url`'s rule, and not the endpoint), without trailing ``/``."""
+    base_url = service_url(base_url, "vlm_ocr", "base_url")
+    if base_url.endswith("/chat/completions"):
+        raise ValueError(
+            f"vlm_ocr: base_url must be the API root (e.g. http://127.0.0.1:8000/v1), got {base_url!r}; "
+            "'/chat/completions' is appended"
+        )
+    return base_url
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """The registry's cheap check when a config loads: the URL (the other values when built)."""
+    if "base_url" in options:
+        api_root(options["base_url"])
+
+
+@register_reward("vlm_ocr", check=_check_options)
 class VlmOcrReward(TranscriptionReward):
     """How well the image shows ``record.ground_truth``, read by a VLM over HTTP.
 
@@ -96,14 +119,7 @@ class VlmOcrReward(TranscriptionReward):
         use_proxy_env: bool = False,
         on_error: str = "raise",
     ) -> None:
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"vlm_ocr: base_url must start with http:// or https://, got {base_url!r}")
-        base_url = base_url.rstrip("/")
-        if base_url.endswith("/chat/completions"):
-            raise ValueError(
-                f"vlm_ocr: base_url must be the API root (e.g. http://127.0.0.1:8000/v1), got {base_url!r}; "
-                "'/chat/completions' is appended"
-            )
+        base_url = api_root(base_url)
         _require(is_number(timeout_s) and timeout_s > 0, "timeout_s", timeout_s, "> 0")
         _require(is_int(max_retries) and max_retries >= 0, "max_retries", max_retries, "an int >= 0")
         _require(is_number(backoff_s) and backoff_s >= 0, "backoff_s", backoff_s, ">= 0")
@@ -201,7 +217,14 @@ class VlmOcrReward(TranscriptionReward):
         )
 
     def _post_once(self, body: bytes, index: int) -> str:
-        raw = send_once(self._endpoint, "POST", body, self._headers, self.timeout_s, excerpt)
+        try:
+            raw = send_once(
+                self._endpoint, "POST", body, self._headers, self.timeout_s, excerpt, _MAX_ANSWER_BYTES
+            )
+        except AnswerTooLarge as error:
+            raise RewardError(
+                f"vlm_ocr: POST {self.url} answered sample {index} with too much: {error}"
+            ) from None
         if isinstance(raw, str):  # a 3xx/4xx refusal, described
             raise RewardError(f"vlm_ocr: POST {self.url} was rejected for sample {index}: {raw}")
         return self._parse(raw, index)
