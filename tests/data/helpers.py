@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 # The reference integration's system prompts, typed out again here rather than imported, so the
@@ -105,3 +110,34 @@ def write_table(rows: list[dict], schema: pa.Schema, path: Path) -> Path:
 def leftovers(folder: Path) -> list[str]:
     """Names of hidden or temporary files in ``folder`` (an atomic writer must leave none)."""
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(".") or p.name.endswith(".tmp"))
+
+
+@contextlib.contextmanager
+def read_only_storage(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """While the block runs, nothing under ``folder`` can be removed or renamed.
+
+    Every folder of the tree loses its write bits. As root, where the permission bits restrict
+    nothing, `boogu_data.atomic`'s removal and ``os.replace`` raise ``EROFS`` instead, as a
+    read-only mount would.
+    """
+    import boogu_data.atomic as atomic
+
+    if os.geteuid() == 0:
+
+        def refuse(path, *args) -> None:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        with monkeypatch.context() as patch:
+            patch.setattr(atomic, "_remove", refuse)
+            patch.setattr(atomic.os, "replace", refuse)
+            yield
+        return
+    folders = [folder, *(p for p in folder.rglob("*") if p.is_dir() and not p.is_symlink())]
+    modes = {p: p.stat().st_mode for p in folders}
+    for p in folders:
+        p.chmod(modes[p] & ~0o222)
+    try:
+        yield
+    finally:
+        for p in folders:
+            p.chmod(modes[p])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -25,6 +26,7 @@ from boogu_data.atomic import (
     stage_folder,
     temp_path,
 )
+from tests.data.helpers import read_only_storage
 
 HOST = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())
 
@@ -153,6 +155,24 @@ def test_remove_stale_cleans_a_killed_writer(tmp_path: Path, live_pid: int, dead
             temp_path(tmp_path / f"{pid}.bin").write_text("x")
     assert [p.name.split(".")[1] for p in remove_stale(tmp_path)] == [str(dead_pid)]
     assert [p.name.split(".")[1] for p in tmp_path.iterdir()] == [str(live_pid)]
+
+
+def test_read_only_storage_leaves_dead_temporaries_with_a_warning(
+    tmp_path: Path, dead_pid: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A run copied to (or mounted from) read-only storage: listing it must still work.
+    (tmp_path / "ckpt").mkdir()
+    dead = _folder(tmp_path / _name("ckpt", dead_pid), {"a/b.bin": "half"})
+    orphan = _folder(tmp_path / _name("old", dead_pid, tag="retired"), {"w": "complete"})
+    before = {p: _tree(p) for p in (dead, orphan)}
+    with read_only_storage(tmp_path, monkeypatch), caplog.at_level(logging.WARNING, "boogu_data.atomic"):
+        assert remove_stale(tmp_path) == []
+        assert recover_folder(tmp_path / "old") is False
+    assert {p: _tree(p) for p in (dead, orphan)} == before
+    assert f"cannot remove {dead}" in caplog.text and f"cannot put {orphan} back" in caplog.text
+    # Writable again: the same calls do their work.
+    assert remove_stale(tmp_path) == [dead]
+    assert recover_folder(tmp_path / "old") and _tree(tmp_path / "old") == {"w": b"complete"}
 
 
 # ------------------------------------------------------------------------------ files

@@ -28,6 +28,7 @@ from boogu_trainer.checkpoint import (
 )
 from boogu_trainer.config import config_to_dict, load_config
 from boogu_trainer.distributed import DistEnv
+from tests.data.helpers import read_only_storage
 
 
 def config(tmp_path: Path, *overrides: str):
@@ -81,6 +82,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
     with caplog.at_level(logging.WARNING, logger="boogu_trainer"):
         assert saver.find("auto") == good
     assert str(bad) in caplog.text and str(bad) in capsys.readouterr().out
+    assert f"checkpoint {bad} is broken" in caplog.text and f"using {good} instead" in caplog.text
     with pytest.raises(CheckpointError, match="not an intact checkpoint"):
         saver.find(str(bad))
     # Same size, different bytes: the hash catches it.
@@ -146,6 +148,20 @@ def test_a_live_writers_staging_folder_is_not_treated_as_stale(tmp_path, monkeyp
     finally:
         live.kill()
         live.wait()
+
+
+def test_resume_reads_read_only_storage_past_a_dead_writers_temporary(tmp_path, monkeypatch, caplog):
+    saver = checkpointer(config(tmp_path), "a")
+    good = saver.save(1, contents(1.0, "a", 1))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    monkeypatch.setattr(atomic.os, "getpid", lambda: dead.pid)
+    staging = atomic.stage_folder(saver.root / step_dir_name(2))
+    monkeypatch.undo()
+    (staging / "adapter_model.safetensors").write_bytes(b"half")
+    with read_only_storage(saver.root, monkeypatch), caplog.at_level(logging.WARNING):
+        assert saver.find("auto") == good
+    assert staging.is_dir() and f"cannot remove {staging}" in caplog.text
 
 
 def test_a_fresh_run_moves_away_from_a_used_folder_and_leaves_it_untouched(tmp_path):

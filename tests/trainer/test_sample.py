@@ -1,25 +1,38 @@
 """``boogu-sample`` on a real (one-step) checkpoint of the tiny model: sampling, merging, errors, and
-the diffusers-layout LoRA file every checkpoint carries."""
+the diffusers-layout LoRA file every checkpoint carries; what its outputs may replace (never a run,
+a checkpoint, a model or the working directory), the LoRA check it shares with the trainer's resume,
+and reading broken, garbage or read-only checkpoints."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import io
 import json
+import logging
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+import boogu_data.atomic as atomic
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu
+from boogu_adapters.lora import to_peft_keys
 from boogu_adapters.step import boogu_velocity
 from boogu_data import PromptRecord
 from boogu_trainer import sample as sample_cli
-from boogu_trainer.checkpoint import DIFFUSERS_LORA_NAME, MANIFEST, verify_checkpoint
+from boogu_trainer.checkpoint import DIFFUSERS_LORA_NAME, MANIFEST, CheckpointError, verify_checkpoint
 from boogu_trainer.loop import Trainer
+from tests.data.helpers import read_only_storage
 
 from .test_loop import small_config
 
@@ -27,8 +40,9 @@ PROMPT = "a red square"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint, tmp_path_factory):
-    """A one-step run with EMA; lr 0.05 so the LoRA visibly moves the model (lora_B starts at 0)."""
+def trained(tiny_checkpoint, tmp_path_factory):
+    """A one-step run with EMA; lr 0.05 so the LoRA visibly moves the model (lora_B starts at 0).
+    The trainer stays, for the resume checks."""
     run_dir = tmp_path_factory.mktemp("sample_runs")
     config = small_config(
         tiny_checkpoint,
@@ -40,8 +54,14 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
         "logging.plot_every=0",
         "eval.num_steps=3",
     )
-    Trainer(config).train()
-    return run_dir / "run" / "checkpoints" / "step_000001"
+    trainer = Trainer(config)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained):
+    return trained.config.run_path / "checkpoints" / "step_000001"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +82,26 @@ def velocity(transformer, probe) -> torch.Tensor:
 
 def fresh_transformer(tiny_parts):
     return copy.deepcopy(tiny_parts.transformer)
+
+
+def replace_file(folder: Path, name: str, data: bytes) -> None:
+    """Put ``data`` in the checkpoint's file ``name`` and in its manifest: the folder still verifies."""
+    (folder / name).write_bytes(data)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def copy_run(checkpoint: Path, run: Path, steps=(1,)) -> Path:
+    """A copy of the checkpoint's run folder (config, metrics) with the checkpoint as each of ``steps``."""
+    shutil.copytree(checkpoint.parent.parent, run, ignore=shutil.ignore_patterns("checkpoints"))
+    for step in steps:
+        shutil.copytree(checkpoint, run / "checkpoints" / f"step_{step:06d}")
+    return run
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
 def test_diffusers_file_is_in_the_manifest_and_reproduces_the_lora(checkpoint, tiny_parts, probe):
@@ -143,18 +183,191 @@ def test_not_a_checkpoint(tmp_path, capsys):
 def test_lora_that_does_not_match_the_model(checkpoint, tiny_parts):
     lora = sample_cli.read_lora(checkpoint)
     renamed = {k.replace(lora.modules[0], "layers.99.attn.to_q"): v for k, v in lora.tensors.items()}
-    wrong = sample_cli.TrainedLora(renamed, lora.scale, lora.source)
+    wrong = dataclasses.replace(lora, tensors=renamed)
     with pytest.raises(
-        sample_cli.SampleError, match=r"1 of its \d+ modules are not in it: layers\.99\.attn\.to_q"
+        sample_cli.SampleError, match=r"2 of its \d+ tensors adapt no targeted module .*layers\.99"
     ):
         sample_cli.attach_lora(fresh_transformer(tiny_parts), wrong)
     key = f"{lora.modules[0]}.lora_A.weight"
     narrow = {**lora.tensors, key: lora.tensors[key][:, :-1]}
-    with pytest.raises(sample_cli.SampleError, match="other shapes"):
+    with pytest.raises(sample_cli.SampleError, match=r"1 tensors have other shapes"):
         sample_cli.check_lora_matches(
-            sample_cli.TrainedLora(narrow, lora.scale, lora.source),
+            dataclasses.replace(lora, tensors=narrow),
             {n: tuple(p.shape) for n, p in tiny_parts.transformer.named_parameters()},
         )
+
+
+def other_models_loras(lora) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's LoRA as if trained on the same-width model with one layer fewer or more."""
+    layers = {m.group(0) for k in lora.tensors if (m := re.match(r"\w+\.(\d+)\.", k))}
+    prefix, last = max((p.split(".")[0], int(p.split(".")[1])) for p in layers)
+    fewer = {k: v for k, v in lora.tensors.items() if not k.startswith(f"{prefix}.{last}.")}
+    more = dict(lora.tensors)
+    for k, v in lora.tensors.items():
+        if k.startswith(f"{prefix}.{last}."):
+            more[k.replace(f"{prefix}.{last}.", f"{prefix}.{last + 1}.", 1)] = v.clone()
+    assert len(fewer) < len(lora.tensors) < len(more)
+    return {"fewer": fewer, "more": more}
+
+
+def test_a_lora_of_another_model_is_refused_by_sampling_merging_and_resume(
+    trained, checkpoint, tiny_parts, tmp_path, capsys
+):
+    from boogu_adapters.lora import expected_lora_shapes, lora_shapes
+
+    lora = sample_cli.read_lora(checkpoint)
+    shapes = {n: tuple(p.shape) for n, p in tiny_parts.transformer.named_parameters()}
+    # The expected tensors are what the trainer's add_lora attaches: the same check on both sides.
+    attached = fresh_transformer(tiny_parts)
+    sample_cli.attach_lora(attached, lora)
+    assert expected_lora_shapes(shapes, lora.target_modules, lora.rank) == lora_shapes(attached)
+    messages = {
+        "fewer": r"(\d+) of the \d+ tensors the model's LoRA targets need are missing \(e\.g\. \w+\.\d+\.",
+        "more": r"(\d+) of its \d+ tensors adapt no targeted module of the model \(e\.g\. \w+\.\d+\.",
+    }
+    for kind, tensors in other_models_loras(lora).items():
+        with pytest.raises(sample_cli.SampleError, match=messages[kind]):
+            sample_cli.attach_lora(fresh_transformer(tiny_parts), dataclasses.replace(lora, tensors=tensors))
+        other = tmp_path / kind
+        shutil.copytree(checkpoint, other)
+        buffer = tmp_path / f"{kind}.safetensors"
+        save_file(to_peft_keys(tensors), buffer)
+        replace_file(other, "adapter_model.safetensors", buffer.read_bytes())
+        merged = tmp_path / f"merged_{kind}"
+        assert sample_cli.main(["--checkpoint", str(other), "--merge-to", str(merged)]) == 2
+        assert re.search(messages[kind], capsys.readouterr().err) and not merged.exists()
+        with pytest.raises(CheckpointError, match=messages[kind]):
+            trained.resume(str(other))
+
+
+# ---- what the outputs may replace ----------------------------------------------------------------
+@pytest.fixture
+def sandbox(checkpoint, tiny_checkpoint, tmp_path, monkeypatch):
+    """models/{Boogu-Image (the base), Other}, runs/run (the checkpoint, metrics.jsonl) and work/ (the
+    working directory, holding a file), all copies: a test that fails deletes nothing shared."""
+    base = tmp_path / "models" / "Boogu-Image"
+    shutil.copytree(tiny_checkpoint, base)
+    shutil.copytree(tiny_checkpoint / "transformer", tmp_path / "models" / "Other" / "transformer")
+    (tmp_path / "models" / "Other" / "model_index.json").write_text("{}")
+    run = copy_run(checkpoint, tmp_path / "runs" / "run")
+    ckpt = run / "checkpoints" / "step_000001"
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["model"]["path"] = str(base)
+    replace_file(ckpt, "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "work")
+    return tmp_path, ckpt
+
+
+def test_outputs_never_replace_a_run_a_model_the_checkpoint_or_the_working_directory(sandbox, capsys):
+    root, ckpt = sandbox
+    run = ckpt.parent.parent
+    before = snapshot(root)
+    cases = [  # (option, folder, what the error must name)
+        ("--merge-to", root / "models", "contains the base model \\(.*Boogu-Image\\)"),
+        ("--merge-to", root / "models" / "Boogu-Image", "is the base model"),
+        ("--merge-to", root / "models" / "Other", "not empty"),
+        ("--merge-to", run, "is the checkpoint's run folder"),
+        ("--merge-to", root, "contains the checkpoint being read .*the base model .*run folder"),
+        ("--output", run, "is the checkpoint's run folder"),
+        ("--output", ckpt, "is the checkpoint being read"),
+        (
+            "--output",
+            root / "runs",
+            "contains the checkpoint being read .*, the checkpoint's run folder \\(.*run\\)",
+        ),
+        ("--output", root / "work", "is the current working directory"),
+        ("--output", Path("."), "is the current working directory"),
+    ]
+    for flag, folder, what in cases:
+        for extra in ([], ["--overwrite"]):
+            args = ["--checkpoint", str(ckpt), flag, str(folder), *extra]
+            assert sample_cli.main([*args, "--prompt", PROMPT] if flag == "--output" else args) == 2, args
+            err = capsys.readouterr().err
+            assert err.startswith(f"boogu-sample: error: {flag} {folder.resolve()} "), err
+            if not extra or what != "not empty":
+                assert re.search(what, err), (args, err)
+    # With --overwrite, a non-empty folder that is not an earlier output of that option is refused too.
+    args = ["--checkpoint", str(ckpt), "--merge-to", str(root / "models" / "Other"), "--overwrite"]
+    assert sample_cli.main(args) == 2
+    assert (
+        "is not an earlier `boogu-sample --merge-to` output (no valid merged_lora.json"
+        in capsys.readouterr().err
+    )
+    assert snapshot(root) == before  # nothing deleted, nothing written, no temporaries left
+
+
+def test_overwrite_replaces_only_an_earlier_output_of_the_same_option(sandbox, capsys):
+    root, ckpt = sandbox
+    merged, out, empty = root / "merged", root / "out", root / "empty"
+    empty.mkdir()
+    merge = ["--checkpoint", str(ckpt), "--merge-to"]
+    assert sample_cli.main([*merge, str(merged)]) == 0
+    assert sample_cli.main([*merge, str(empty)]) == 0  # an empty folder may be used
+    assert json.loads((merged / "merged_lora.json").read_text())["checkpoint"] == str(ckpt)
+    written = snapshot(merged)
+    assert sample_cli.main([*merge, str(merged)]) == 2
+    assert f"--merge-to {merged} is not empty" in capsys.readouterr().err and snapshot(merged) == written
+    assert sample_cli.main([*merge, str(merged), "--overwrite"]) == 0
+    assert (merged / "merged_lora.json").is_file()
+    # An earlier --output is not a --merge-to output, nor the reverse.
+    common = ["--checkpoint", str(ckpt), "--prompt", PROMPT, "--steps", "1", "--output"]
+    assert sample_cli.main([*common, str(out)]) == 0
+    assert sample_cli.main([*common, str(merged), "--overwrite"]) == 2
+    assert "no valid samples.json" in capsys.readouterr().err
+    assert sample_cli.main([*merge, str(out), "--overwrite"]) == 2
+    # Something boogu-sample never writes inside an earlier output: never deleted.
+    (out / "keep").mkdir()
+    (out / "keep" / "metrics.jsonl").write_text("{}\n")
+    assert sample_cli.main([*common, str(out), "--overwrite"]) == 2
+    assert "looks like a run" in capsys.readouterr().err and (out / "keep" / "metrics.jsonl").is_file()
+    (out / "keep" / "metrics.jsonl").unlink()
+    assert sample_cli.main([*common, str(out), "--overwrite"]) == 0 and not (out / "keep").exists()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no temporaries
+
+
+# ---- reading broken, garbage and read-only checkpoints -------------------------------------------
+def test_a_broken_newest_checkpoint_is_skipped_with_a_warning_naming_both(checkpoint, tmp_path, caplog):
+    run = copy_run(checkpoint, tmp_path / "run", steps=(1, 2))
+    broken = run / "checkpoints" / "step_000002"
+    raw = bytearray((broken / "adapter_model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (broken / "adapter_model.safetensors").write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="boogu_trainer"):
+        used = sample_cli.resolve_checkpoint(run)
+    assert used == run / "checkpoints" / "step_000001"
+    assert (
+        f"checkpoint {broken} is broken (adapter_model.safetensors does not match its SHA-256" in caplog.text
+    )
+    assert f"using {used} instead" in caplog.text
+
+
+def test_a_file_that_matches_its_manifest_but_is_not_safetensors(trained, checkpoint, tmp_path, capsys):
+    garbage = tmp_path / "step_000001"
+    shutil.copytree(checkpoint, garbage)
+    replace_file(garbage, "adapter_model.safetensors", b"not a safetensors file at all" * 4)
+    assert verify_checkpoint(garbage) is None
+    wanted = f"{garbage / 'adapter_model.safetensors'} is not a valid safetensors file"
+    assert sample_cli.main(["--checkpoint", str(garbage), "--merge-to", str(tmp_path / "m")]) == 2
+    assert wanted in capsys.readouterr().err and not (tmp_path / "m").exists()
+    with pytest.raises(CheckpointError, match=re.escape(wanted)):
+        trained.resume(str(garbage))
+
+
+def test_a_run_on_read_only_storage_is_read_past_a_dead_writers_temporary(
+    checkpoint, tmp_path, monkeypatch, caplog
+):
+    run = copy_run(checkpoint, tmp_path / "run")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    monkeypatch.setattr(atomic.os, "getpid", lambda: dead.pid)
+    staging = atomic.stage_folder(run / "checkpoints" / "step_000002")
+    monkeypatch.undo()
+    (staging / "adapter_model.safetensors").write_bytes(b"half")
+    with read_only_storage(run, monkeypatch), caplog.at_level(logging.WARNING):
+        assert sample_cli.resolve_checkpoint(run) == run / "checkpoints" / "step_000001"
+    assert staging.is_dir() and f"cannot remove {staging}" in caplog.text
 
 
 def test_reference_image_the_edit_rules_refuse(checkpoint, tmp_path, capsys):

@@ -13,7 +13,8 @@ This module is the one place for LoRA key conventions. Three spellings of one te
   what ``PeftModel.from_pretrained`` reads).
 
 Use `is_lora_param`, `lora_file_key`, `to_peft_keys` / `from_peft_keys` and `adapter_config`
-instead of spelling them out.
+instead of spelling them out. Whether a saved LoRA fits a model is decided here too, once, for the
+trainer's resume and for ``boogu-sample`` (sampling and ``--merge-to``): `check_lora_state`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_protocol import lora_fingerprint as lora_fingerprint  # one algorithm on both sides of a sync
@@ -160,6 +161,76 @@ def check_lora_keys(expected: set[str], got: set[str]) -> None:
             f"LoRA keys do not match the module: {len(missing)} missing (e.g. {missing[:3]}), "
             f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})"
         )
+
+
+class LoraMismatchError(ValueError):
+    """A saved LoRA does not fit a model: tensors missing, extra, or of other shapes."""
+
+
+def expected_lora_shapes(
+    weight_shapes: Mapping[str, Sequence[int]], target_modules: Sequence[str] | str, rank: int
+) -> dict[str, tuple[int, int]]:
+    """File key -> shape of every LoRA tensor that `add_lora` with these targets and rank gives a model.
+
+    ``weight_shapes`` maps the base model's tensor names (``<module path>.weight``, from
+    ``named_parameters()`` or a safetensors header) to their shapes; the modules are the linear ones
+    (2-D weight) whose path peft's own matching selects. ``lora_A`` is ``(rank, in)``, ``lora_B``
+    ``(out, rank)``.
+    """
+    config = LoraConfig(r=rank, target_modules=target_modules)
+    out: dict[str, tuple[int, int]] = {}
+    for name, shape in weight_shapes.items():
+        module = name.removesuffix(".weight")
+        if module == name or len(shape) != 2 or is_lora_param(name):
+            continue
+        if check_target_module_exists(config, module):
+            out_features, in_features = (int(d) for d in shape)
+            out[f"{module}.lora_A.weight"] = (rank, in_features)
+            out[f"{module}.lora_B.weight"] = (out_features, rank)
+    return out
+
+
+def lora_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """File key -> shape of every LoRA parameter of ``module`` (global shapes, also under FSDP2)."""
+    return {lora_file_key(n): tuple(p.shape) for n, p in module.named_parameters() if is_lora_param(n)}
+
+
+def check_lora_state(
+    expected: Mapping[str, Sequence[int]], got: Mapping[str, Sequence[int]], *, source: str
+) -> None:
+    """Refuse a saved LoRA (``got``: file key -> shape) unless it has exactly the ``expected`` tensors.
+
+    Every saved tensor must belong to a module the model's targets adapt, every such module must have
+    its tensors, and the shapes must be equal: a LoRA trained on another model (more or fewer layers,
+    another width, other targets) is never applied to part of this one. Raises `LoraMismatchError`
+    naming ``source``, the counts and a few example names of each kind of difference.
+    """
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(got) if tuple(expected[k]) != tuple(got[k]))
+    if not (missing or extra or wrong):
+        return
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} of the {len(expected)} tensors the model's LoRA targets need are missing "
+            f"(e.g. {_examples(missing)})"
+        )
+    if extra:
+        problems.append(
+            f"{len(extra)} of its {len(got)} tensors adapt no targeted module of the model (e.g. {_examples(extra)})"
+        )
+    if wrong:
+        shown = ", ".join(f"{k} {tuple(got[k])} vs {tuple(expected[k])}" for k in wrong[:3])
+        problems.append(f"{len(wrong)} tensors have other shapes (saved vs model: {shown})")
+    raise LoraMismatchError(
+        f"the LoRA in {source} was not trained on this model: " + "; ".join(problems) + ". "
+        "Use the base model and lora.target_modules / lora.rank the run was trained with."
+    )
+
+
+def _examples(names: Sequence[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def _tuner_layers(module: torch.nn.Module) -> list[BaseTunerLayer]:

@@ -19,11 +19,18 @@ A folder is replaced in two renames (:func:`commit_folder`): the old folder to a
 then the staging folder to the target. A kill between them leaves the old complete folder under its
 retired name; :func:`recover_folder` puts it back, and :func:`remove_stale` never deletes a retired
 folder whose target is missing.
+
+Reading must work on read-only storage (a shared checkpoint mount, a copied run): where removing a
+dead writer's temporary or putting back a retired folder is refused (``EROFS``, ``EACCES``,
+``EPERM``), :func:`remove_stale` and :func:`recover_folder` leave it as it is, log a warning naming
+it and go on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import re
 import secrets
@@ -46,6 +53,8 @@ __all__ = [
     "stage_folder",
     "temp_path",
 ]
+
+logger = logging.getLogger(__name__)
 
 RETIRED_TAG = "retired"
 """The tag of a folder that :func:`commit_folder` moved aside to make room for its replacement."""
@@ -144,6 +153,11 @@ def owner_alive(path: Path) -> bool:
     return True
 
 
+def _read_only(error: OSError) -> bool:
+    """Whether ``error`` says the storage may be read but not changed (EACCES, EPERM, EROFS)."""
+    return isinstance(error, PermissionError) or error.errno == errno.EROFS
+
+
 def _remove(path: Path) -> bool:
     try:
         if path.is_dir() and not path.is_symlink():
@@ -160,7 +174,9 @@ def remove_stale(folder: Path) -> list[Path]:
 
     Temporaries of live processes, of other hosts and names not made by :func:`temp_path` are left
     alone, and so is a retired folder whose target is missing: it is the only complete copy, and
-    :func:`recover_folder` puts it back. A missing ``folder`` holds nothing to remove.
+    :func:`recover_folder` puts it back. A missing ``folder`` holds nothing to remove. A temporary
+    that cannot be removed because the storage is read-only (or not ours to change) is left where it
+    is, with a warning naming it: listing a read-only folder must work.
 
     Returns:
         The removed paths, in name order.
@@ -177,7 +193,20 @@ def remove_stale(folder: Path) -> list[Path]:
             continue
         if owner.tag == RETIRED_TAG and not os.path.lexists(folder / owner.target):
             continue
-        if _remove(entry):
+        try:
+            gone = _remove(entry)
+        except OSError as error:
+            if not _read_only(error):
+                raise
+            logger.warning(
+                "cannot remove %s, a temporary of the dead process %d on %s (%s); leaving it there",
+                entry,
+                owner.pid,
+                owner.host,
+                error.strerror or error,
+            )
+            continue
+        if gone:
             removed.append(entry)
     return removed
 
@@ -292,7 +321,8 @@ def recover_folder(final: Path) -> bool:
     """Undo a :func:`commit_folder` that was killed between its two renames.
 
     When ``final`` is missing and a retired sibling of it with a dead owner exists, the newest such
-    sibling (by modification time) is renamed back to ``final``.
+    sibling (by modification time) is renamed back to ``final``. On read-only storage the rename is
+    refused: the sibling stays under its retired name, with a warning naming it.
 
     Returns:
         True when a folder was put back.
@@ -319,6 +349,16 @@ def recover_folder(final: Path) -> bool:
     try:
         os.replace(newest, final)
     except FileNotFoundError:  # another process recovered it first
+        return False
+    except OSError as error:
+        if not _read_only(error):
+            raise
+        logger.warning(
+            "cannot put %s back as %s (%s); it stays under its retired name",
+            newest,
+            final.name,
+            error.strerror or error,
+        )
         return False
     fsync_dir(final.parent)
     return True

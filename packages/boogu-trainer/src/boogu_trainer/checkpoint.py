@@ -22,7 +22,8 @@ Nothing is ever unpickled: tensors are safetensors, everything else JSON or YAML
 under a temporary name and committed with one rename (`boogu_data.atomic.commit_folder`), so a
 kill at any moment leaves either the previous or the new complete checkpoint, never half of one;
 a checkpoint whose files do not match its manifest (a truncated copy, a bad disk) is skipped on
-resume with a warning naming it, in favour of the newest intact one.
+resume with a warning naming it and the newest intact one used instead (`newest_intact_checkpoint`,
+shared with ``boogu-sample``).
 
 Rules (`Checkpointer`): a fresh run never writes into a used run folder (it moves to ``name_1``,
 ``name_2``, ..., decided on rank 0 for every world size); pruning keeps the newest ``keep_last``
@@ -48,11 +49,12 @@ import random
 import re
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -271,6 +273,18 @@ def verify_checkpoint(folder: Path, *, hashes: bool = True) -> str | None:
     return None
 
 
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors file; a `CheckpointError` naming it if it cannot be read
+    or is not a valid safetensors file (a file can match its manifest and still be garbage: the
+    manifest records what was written, not that it was a safetensors file)."""
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({error})") from error
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from error
+
+
 def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
     """Read a checkpoint folder (verify it first: `verify_checkpoint`)."""
     folder = Path(folder)
@@ -278,10 +292,7 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
         raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
 
     def tensors(name: str) -> dict[str, torch.Tensor]:
-        try:
-            return load_file(folder / name)
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"{folder / name}: cannot be read ({error})") from error
+        return read_tensors(folder / name)
 
     ema_path = folder / "ema.safetensors"
     old_path = folder / "old_policy.safetensors"
@@ -317,6 +328,30 @@ def checkpoint_folders(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
         if m and (child / COMPLETE).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def newest_intact_checkpoint(root: str | os.PathLike[str], *, echo: TextIO | None = None) -> Path | None:
+    """The newest checkpoint folder under ``root`` that passes `verify_checkpoint`, or None.
+
+    Each newer checkpoint that fails its manifest is skipped with a warning (logged, and printed to
+    ``echo`` when given) naming it, what is wrong and the checkpoint used instead. The trainer's
+    ``resume=auto`` and ``boogu-sample --checkpoint RUN`` both choose through here.
+    """
+    broken: list[tuple[Path, str]] = []
+    found = None
+    for _, candidate in reversed(checkpoint_folders(root)):
+        reason = verify_checkpoint(candidate)
+        if reason is None:
+            found = candidate
+            break
+        broken.append((candidate, reason))
+    instead = f"using {found} instead" if found is not None else "no intact checkpoint is left"
+    for candidate, reason in broken:
+        message = f"checkpoint {candidate} is broken ({reason}); {instead}"
+        logger.warning("%s", message)
+        if echo is not None:
+            print(f"warning: {message}", file=echo)
+    return found
 
 
 def run_id_of(folder: Path) -> str | None:
@@ -528,15 +563,7 @@ class Checkpointer:
         problem = None
         if self.dist.is_main:
             if spec == "auto":
-                for _, candidate in reversed(checkpoint_folders(self.root)):
-                    reason = verify_checkpoint(candidate)
-                    if reason is None:
-                        folder = candidate
-                        break
-                    logger.warning(
-                        "checkpoint %s is broken (%s); falling back to an earlier one", candidate, reason
-                    )
-                    print(f"warning: checkpoint {candidate} is broken ({reason}); trying an earlier one")
+                folder = newest_intact_checkpoint(self.root, echo=sys.stdout)
             else:
                 folder = Path(spec).expanduser()
                 problem = verify_checkpoint(folder)

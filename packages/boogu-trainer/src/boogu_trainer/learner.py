@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-from boogu_adapters.lora import adapter_config, is_lora_param, lora_file_key, lora_state_dict
+from boogu_adapters.lora import (
+    adapter_config,
+    check_lora_state,
+    is_lora_param,
+    lora_file_key,
+    lora_state_dict,
+)
 from boogu_adapters.training import TrainingAdapter
 from boogu_trainer.config import TrainerConfig
 from boogu_trainer.distributed import (
@@ -387,17 +393,21 @@ class Learner:
     ) -> None:
         """Put a checkpoint's LoRA (float32), AdamW state, EMA, NFT old policy and counters back (also
         into FSDP2 shards)."""
+        # The LoRA first: its error names what differs (`check_lora_state`, shared with boogu-sample).
+        check_lora_state(
+            {
+                lora_file_key(n): tuple(p.shape)
+                for n, p in zip(self.param_names, self.params)
+                if is_lora_param(n)
+            },
+            {k: tuple(v.shape) for k, v in lora.items()},
+            source="the checkpoint",
+        )
         if optimizer_meta["names"] != self.param_names:
             raise ValueError(
                 "the checkpoint's optimizer was built for different LoRA parameters than this model's"
             )
         by_file_key = {lora_file_key(n): n for n in self.param_names if is_lora_param(n)}
-        missing = sorted(set(by_file_key) - set(lora))
-        unexpected = sorted(set(lora) - set(by_file_key))
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint LoRA keys do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
         if self.old is not None:
             if old is None:
                 raise ValueError(

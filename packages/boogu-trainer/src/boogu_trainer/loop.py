@@ -33,7 +33,7 @@ import yaml
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import BooguParts, load_boogu
-from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype, is_lora_param
+from boogu_adapters.lora import LoraMismatchError, add_lora, compute_lora_in_input_dtype, is_lora_param
 from boogu_adapters.rollout import RolloutEngine
 from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
@@ -662,7 +662,10 @@ class Trainer:
         contents = self.checkpointer.load(folder)
         if self.config.resume_allow_changes:
             logger.warning("resume: accepted config changes in %s", list(self.config.resume_allow_changes))
-        self.load_state_dict(contents)
+        try:
+            self.load_state_dict(contents)
+        except LoraMismatchError as error:  # raised before anything is loaded
+            raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
         self.metrics = self._open_metrics()
         self.metrics.truncate_to(self.step)
         return folder

@@ -15,6 +15,15 @@ seed give the same starting noise with and without ``--no-lora``: before/after i
 ``W + scale * B @ A`` (computed in float32, stored in the original dtype) in the original shard
 layout, the original ``config.json`` and every other component copied, so ``load_boogu`` and
 upstream's ``BooguImagePipeline.from_pretrained`` load it like the base model.
+
+What it may replace (`check_target`): an output folder is built aside and committed with one
+rename, so an existing folder there would be deleted. A tool never deletes what it did not create:
+a missing or empty folder is written; a non-empty one only with ``--overwrite``, and only when it is
+an earlier output of the same option, recognised by the marker file every output carries
+(``samples.json`` for ``--output``, ``merged_lora.json`` for ``--merge-to``). Never, even with
+``--overwrite``: a folder that is or contains the base model, the checkpoint being read, its run
+folder, anything that looks like a run (``checkpoints/``, ``metrics.jsonl``, ``config.yaml``) or
+another model, or the current working directory.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
+import logging
 import re
 import shutil
 import sys
@@ -53,6 +63,10 @@ class TrainedLora:
     """peft's ``alpha / r``: the adapter adds ``scale * B @ A``."""
     source: Path
     """The safetensors file they came from."""
+    target_modules: tuple[str, ...] | str
+    """The run's ``lora.target_modules``: every module they select must have its LoRA tensors."""
+    rank: int
+    """The run's ``lora.rank``."""
 
     @property
     def modules(self) -> list[str]:
@@ -62,17 +76,18 @@ class TrainedLora:
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The intact checkpoint folder ``path`` names: a ``step_XXXXXX`` folder, or a run folder (its
-    newest intact checkpoint). Raises `SampleError` saying what is wrong."""
-    from boogu_trainer.checkpoint import COMPLETE, checkpoint_folders, verify_checkpoint
+    newest intact checkpoint, chosen as the trainer's ``resume=auto`` does: a newer broken one is
+    skipped with a warning naming it and the one used). Raises `SampleError` saying what is wrong."""
+    from boogu_trainer.checkpoint import COMPLETE, newest_intact_checkpoint, verify_checkpoint
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise SampleError(f"--checkpoint {folder}: no such folder")
     if not (folder / COMPLETE).exists() and (folder / "checkpoints").is_dir():
-        found = [f for _, f in checkpoint_folders(folder / "checkpoints") if verify_checkpoint(f) is None]
-        if not found:
+        found = newest_intact_checkpoint(folder / "checkpoints")
+        if found is None:
             raise SampleError(f"--checkpoint {folder}: the run folder has no intact checkpoint")
-        folder = found[-1]
+        folder = found
     if not (folder / COMPLETE).exists() or not (folder / "adapter_model.safetensors").exists():
         raise SampleError(
             f"--checkpoint {folder} is not a checkpoint folder: a checkpoint is "
@@ -86,21 +101,29 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 
 def read_lora(folder: Path, which: Literal["lora", "ema"] = "lora") -> TrainedLora:
-    """The checkpoint's LoRA (``adapter_model.safetensors``) or its EMA (``ema.safetensors``)."""
-    from safetensors.torch import load_file
-
+    """The checkpoint's LoRA (``adapter_model.safetensors``) or its EMA (``ema.safetensors``), with the
+    run's targets and rank (``config.yaml``)."""
     from boogu_adapters.lora import from_peft_keys
-    from boogu_trainer.checkpoint import lora_scale
+    from boogu_trainer.checkpoint import CheckpointError, lora_scale, read_tensors
 
     name = "adapter_model.safetensors" if which == "lora" else "ema.safetensors"
     if not (folder / name).is_file():
         raise SampleError(f"--ema: {folder} has no {name} (the run was trained with ema.enabled=false)")
     config = json.loads((folder / "adapter_config.json").read_text())
+    run = run_config(folder).lora
     try:
-        tensors = from_peft_keys(load_file(folder / name))
+        tensors = from_peft_keys(read_tensors(folder / name))
+    except CheckpointError as error:
+        raise SampleError(str(error)) from None
     except ValueError as error:
         raise SampleError(f"{folder / name}: {error}") from None
-    return TrainedLora(tensors=tensors, scale=lora_scale(config), source=folder / name)
+    return TrainedLora(
+        tensors=tensors,
+        scale=lora_scale(config),
+        source=folder / name,
+        target_modules=run.target_modules,
+        rank=run.rank,
+    )
 
 
 def run_config(folder: Path, device: str | None = None):
@@ -115,27 +138,21 @@ def run_config(folder: Path, device: str | None = None):
 
 # ---- applying the LoRA ---------------------------------------------------------------------------
 def check_lora_matches(lora: TrainedLora, shapes: Mapping[str, Sequence[int]]) -> None:
-    """Refuse a LoRA whose modules are not linear weights of this model, or whose shapes differ.
+    """Refuse a LoRA that is not exactly the one the run's config gives this model (the trainer's
+    resume check, `boogu_adapters.lora.check_lora_state`): no tensor for a module the targets do not
+    select, none missing for a module they do, every shape equal.
 
     ``shapes`` maps the model's weight names (``<module path>.weight``) to their shapes.
     """
-    absent = [m for m in lora.modules if f"{m}.weight" not in shapes]
-    if absent:
-        raise SampleError(
-            f"the LoRA in {lora.source} does not match the model: {len(absent)} of its {len(lora.modules)} "
-            f"modules are not in it: {_names(absent)}"
+    from boogu_adapters.lora import LoraMismatchError, check_lora_state, expected_lora_shapes
+
+    expected = expected_lora_shapes(shapes, lora.target_modules, lora.rank)
+    try:
+        check_lora_state(
+            expected, {k: tuple(v.shape) for k, v in lora.tensors.items()}, source=str(lora.source)
         )
-    wrong = []
-    for m in lora.modules:
-        out_features, in_features = shapes[f"{m}.weight"][:2]
-        a, b = lora.tensors.get(f"{m}.lora_A.weight"), lora.tensors.get(f"{m}.lora_B.weight")
-        if a is None or b is None or a.shape[1] != in_features or b.shape[0] != out_features:
-            wrong.append(m)
-    if wrong:
-        raise SampleError(
-            f"the LoRA in {lora.source} does not match the model: {len(wrong)} modules have other shapes "
-            f"(or lack lora_A/lora_B): {_names(wrong)}"
-        )
+    except LoraMismatchError as error:
+        raise SampleError(str(error)) from None
 
 
 def attach_lora(transformer, lora: TrainedLora) -> None:
@@ -235,17 +252,25 @@ def _step(folder: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def write_samples(images, captions: Sequence[str], prompts: Sequence[str], num_images: int, output: Path):
+def write_samples(
+    images,
+    captions: Sequence[str],
+    prompts: Sequence[str],
+    num_images: int,
+    output: Path,
+    *,
+    overwrite: bool = False,
+    protected: Sequence[tuple[Path, str]] = (),
+):
     """``OUT/<prompt>_<k>.png`` per image, ``OUT/grid.png`` with captions, ``OUT/samples.json``; the
-    folder is built aside and committed with one rename (an existing OUT is replaced whole)."""
+    folder is built aside and committed with one rename. An existing OUT is replaced only as
+    `check_target` allows (``protected``: `protected_folders`)."""
     from PIL import Image
 
     from boogu_data.atomic import commit_folder, stage_folder
     from boogu_trainer.metrics import sample_grid
 
-    output = Path(output).expanduser()
-    if output.exists() and not output.is_dir():
-        raise SampleError(f"--output {output} exists and is not a folder")
+    output = check_target("--output", output, overwrite=overwrite, protected=protected)
     staging = stage_folder(output)
     try:
         files = []
@@ -254,7 +279,7 @@ def write_samples(images, captions: Sequence[str], prompts: Sequence[str], num_i
             Image.fromarray(image.permute(1, 2, 0).numpy()).save(staging / name)
             files.append({"file": name, "caption": captions[j]})
         sample_grid(images, list(captions), staging / "grid.png")
-        (staging / "samples.json").write_text(json.dumps(files, indent=2))
+        (staging / SAMPLES_MARKER).write_text(json.dumps(files, indent=2))
         commit_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -264,6 +289,115 @@ def write_samples(images, captions: Sequence[str], prompts: Sequence[str], num_i
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "prompt"
+
+
+# ---- what an output may replace ------------------------------------------------------------------
+SAMPLES_MARKER = "samples.json"
+"""Every ``--output`` folder holds it: ``[{"file", "caption"}, ...]``."""
+MERGE_MARKER = "merged_lora.json"
+"""Every ``--merge-to`` folder holds it: ``{"checkpoint", "weights", "scale", "modules", "base_model"}``."""
+RUN_LIKE = ("checkpoints", "metrics.jsonl")
+"""A folder holding any of these (or a run's ``config.yaml``) looks like a run and is never replaced."""
+
+
+def protected_folders(checkpoint: Path, base: Path) -> list[tuple[Path, str]]:
+    """What no output may be or contain, with words for an error: the checkpoint, its run, the base model."""
+    out = [(checkpoint, "the checkpoint being read"), (base, "the base model")]
+    if checkpoint.parent.name == "checkpoints":
+        out.append((checkpoint.parent.parent, "the checkpoint's run folder"))
+    return [(Path(p).expanduser().resolve(), what) for p, what in out]
+
+
+def check_target(
+    flag: Literal["--output", "--merge-to"],
+    target: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    protected: Sequence[tuple[Path, str]] = (),
+) -> Path:
+    """The absolute folder ``flag`` may write (built aside, then put in place by one rename that
+    deletes what was there), or a `SampleError` naming the flag, the folder and what it holds.
+
+    A missing or empty folder may be written. A non-empty one only with ``overwrite`` and only if it
+    is an earlier output of ``flag`` (its marker file: `SAMPLES_MARKER`, `MERGE_MARKER`) holding no
+    run, checkpoint or other model. Never, whatever ``overwrite`` says: a folder that is or contains a
+    ``protected`` one (`protected_folders`) or the current working directory.
+    """
+    target = Path(target).expanduser().resolve()
+    if target.exists() and not target.is_dir():
+        raise SampleError(f"{flag} {target} exists and is not a folder")
+    guarded = [*protected, (Path.cwd().resolve(), "the current working directory")]
+    same = [what for path, what in guarded if path == target]
+    inside = [f"{what} ({path})" for path, what in guarded if target in path.parents]
+    if same or inside:
+        relation = f"is {same[0]}" if same else f"contains {', '.join(inside)}"
+        raise SampleError(
+            f"{flag} {target} {relation}; writing there would delete it, which boogu-sample never does "
+            "(not even with --overwrite): choose a new folder"
+        )
+    entries = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
+    if not entries:
+        return target
+    marker = SAMPLES_MARKER if flag == "--output" else MERGE_MARKER
+    if not overwrite:
+        raise SampleError(
+            f"{flag} {target} is not empty (it holds {_names(entries)}); choose a new or empty folder, "
+            f"or pass --overwrite to replace an earlier `boogu-sample {flag}` output there"
+        )
+    if not _is_output(target / marker, flag):
+        raise SampleError(
+            f"{flag} {target} is not an earlier `boogu-sample {flag}` output (no valid {marker}; it holds "
+            f"{_names(entries)}); --overwrite replaces only those: choose a new folder"
+        )
+    foreign = _foreign(target, flag)
+    if foreign:
+        raise SampleError(
+            f"{flag} {target} holds {foreign}, which boogu-sample did not write; it never deletes that "
+            "(not even with --overwrite): choose a new folder"
+        )
+    return target
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def _is_output(marker: Path, flag: str) -> bool:
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if flag == "--output":
+        return isinstance(record, list) and all(
+            isinstance(r, dict) and {"file", "caption"} <= set(r) for r in record
+        )
+    return isinstance(record, dict) and {"checkpoint", "base_model"} <= set(record)
+
+
+def _is_run_config(path: Path) -> bool:
+    import yaml
+
+    try:
+        record = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return True  # unreadable: it may be a run's; never delete it
+    return isinstance(record, dict) and {"model", "lora"} <= set(record)
+
+
+def _foreign(target: Path, flag: str) -> str | None:
+    """What in an earlier output's tree boogu-sample never writes there: a run, a checkpoint, a model
+    below the top (a merged model's own ``model_index.json`` is at the top), or None."""
+    for folder, dirs, files in os.walk(target):  # symlinks are not followed (nor would rmtree)
+        here = Path(folder)
+        names = {*dirs, *files}
+        run_like = sorted(names & set(RUN_LIKE))
+        if "config.yaml" in files and _is_run_config(here / "config.yaml"):
+            run_like.append("a run's config.yaml")
+        if run_like:
+            return f"{here}, which looks like a run or a checkpoint (it has {', '.join(run_like)})"
+        if "model_index.json" in files and (here != target or flag == "--output"):
+            return f"{here}, a model folder (model_index.json)"
+    return None
 
 
 # ---- reference images ----------------------------------------------------------------------------
@@ -287,11 +421,15 @@ def read_reference(path: str | os.PathLike[str]) -> bytes:
 
 
 # ---- merging -------------------------------------------------------------------------------------
-def merge_to(folder: Path, output: Path, *, lora: Literal["lora", "ema"] = "lora") -> Path:
+def merge_to(
+    folder: Path, output: Path, *, lora: Literal["lora", "ema"] = "lora", overwrite: bool = False
+) -> Path:
     """Write ``output``: the run's base model with the LoRA merged into its transformer weights.
 
     Works shard by shard on the CPU (one shard in memory at a time); the shard names, the index,
     ``config.json`` and every other file are the base model's, so the result loads like it.
+    ``MERGE_MARKER`` records where it came from. An existing ``output`` is replaced only as
+    `check_target` allows.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -311,9 +449,11 @@ def merge_to(folder: Path, output: Path, *, lora: Literal["lora", "ema"] = "lora
         with safe_open(shard, framework="pt") as f:
             shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})  # noqa: SIM118
     check_lora_matches(trained, shapes)
-    output = Path(output).expanduser().resolve()
-    if output == base.resolve():
-        raise SampleError(f"--merge-to {output} is the base model itself; choose another folder")
+    output = check_target(
+        "--merge-to", output, overwrite=overwrite, protected=protected_folders(folder, base)
+    )
+    if base.resolve() in output.parents:  # the copy of the base model would copy itself
+        raise SampleError(f"--merge-to {output} is inside the base model {base}; choose a folder outside it")
     staging = stage_folder(output)
     try:
         shutil.copytree(base, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -331,7 +471,7 @@ def merge_to(folder: Path, output: Path, *, lora: Literal["lora", "ema"] = "lora
                     # (out, in) float32: peft's merge, W + scale * B @ A, then the stored dtype.
                     tensors[key] = (w.float() + trained.scale * (b @ a)).to(w.dtype).contiguous()
             save_file(tensors, staging / "transformer" / shard.name, metadata={"format": "pt"})
-        (staging / "merged_lora.json").write_text(
+        (staging / MERGE_MARKER).write_text(
             json.dumps(
                 {
                     "checkpoint": str(folder),
@@ -390,6 +530,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--merge-to", metavar="DIR", help="write a model folder with the LoRA (or --ema) merged in"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --output / --merge-to folder if it is an earlier output of that "
+        "option (never a run, a checkpoint, the base model or the working directory)",
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: the run's model.device)")
     return parser
 
@@ -420,11 +566,29 @@ def main(argv: list[str] | None = None) -> int:
     if ns.num_images < 1 or (ns.steps is not None and ns.steps < 1):
         parser.error("--num-images and --steps must be at least 1")
     lora: LoraChoice = "none" if ns.no_lora else "ema" if ns.ema else "lora"
+    logging.basicConfig(
+        level=os.environ.get("BOOGU_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         folder = resolve_checkpoint(ns.checkpoint)
         reference = read_reference(ns.image) if ns.image else None
+        # Every output folder is checked before anything is written: a refusal leaves nothing behind.
+        from boogu_trainer.loop import base_model_path
+
+        protected = protected_folders(folder, base_model_path(run_config(folder, "cpu")))
+        targets = [
+            check_target(flag, path, overwrite=ns.overwrite, protected=protected)
+            for flag, path in (("--merge-to", ns.merge_to), ("--output", ns.output if prompts else None))
+            if path
+        ]
+        if len(targets) == 2 and _overlap(*targets):
+            raise SampleError(
+                f"--merge-to {targets[0]} and --output {targets[1]} overlap; give them separate folders"
+            )
         if ns.merge_to:
-            merged = merge_to(folder, Path(ns.merge_to), lora="ema" if ns.ema else "lora")
+            merged = merge_to(
+                folder, Path(ns.merge_to), lora="ema" if ns.ema else "lora", overwrite=ns.overwrite
+            )
             print(f"merged {folder} into {merged}")
         if prompts:
             from boogu_trainer.cli import _quiet_libraries
@@ -434,7 +598,15 @@ def main(argv: list[str] | None = None) -> int:
                 prompts, reference, ns.num_images, ns.steps, ns.guidance, ns.seed, ns.height, ns.width
             )
             images, captions = sample(folder, spec, lora=lora, device=ns.device)
-            files = write_samples(images, captions, prompts, ns.num_images, Path(ns.output))
+            files = write_samples(
+                images,
+                captions,
+                prompts,
+                ns.num_images,
+                Path(ns.output),
+                overwrite=ns.overwrite,
+                protected=protected,
+            )
             print(
                 f"wrote {len(files)} images and {Path(ns.output) / 'grid.png'} ({captions[0].split(' | ')[-1]})"
             )
