@@ -421,7 +421,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:  # the plumbing only: 1 seed, 1 prompt x 8 samples, 3 steps
         args.seeds, args.max_steps, args.budget_fe = 1, 3, min(args.budget_fe, 576)
-        args.set = ["*:data.prompts_per_step=1", *args.set]
+        # one prompt group is one mini-batch (more would be refused: algorithm.mini_batches <= groups)
+        args.set = ["*:data.prompts_per_step=1", "*:algorithm.mini_batches=1", *args.set]
     names = [n.strip() for n in args.algorithms.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown:

@@ -386,3 +386,15 @@ def test_contradictory_settings_are_refused_naming_both_keys(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert needle in str(err.value)
+
+
+def test_flow_grpo_settings_inherited_from_a_base_do_not_count_as_given():
+    # The demo sets clip_range=1e-3 for flow_grpo; switching its algorithm is not a contradiction,
+    # giving clip_range again is.
+    assert (
+        load_config(None, ["algorithm.name=diffusion_nft"], base=demo_config()).algorithm.clip_range == 1e-3
+    )
+    with pytest.raises(
+        ConfigError, match=r"^algorithm\.clip_range=0\.001 with algorithm\.name='diffusion_nft'"
+    ):
+        load_config(None, ["algorithm.name=diffusion_nft", "algorithm.clip_range=1e-3"], base=demo_config())

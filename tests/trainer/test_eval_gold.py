@@ -106,6 +106,8 @@ def test_pruning_spares_the_best_and_a_resume_restores_the_pointer(tmp_path):
             "logging.name=run",
             "checkpoint.keep_last=1",
             "checkpoint.keep_best=true",
+            "eval.every=1",  # keep_best acts on evaluations: it needs both
+            "data.val_files=[val.parquet]",
         ],
     )
     c = Checkpointer(cfg, DistEnv())

@@ -94,6 +94,10 @@ def test_refused_exactly_where_the_ranks_update_differs_from_one_rank(world):
     outcomes = set()
     for prompts in range(1, 4 * world + 1):
         for mini_batches in range(1, 5):
+            if mini_batches > prompts:  # more mini-batches than groups: refused on any world size
+                with pytest.raises(ConfigError, match=r"^algorithm\.mini_batches=.* at most"):
+                    _config(prompts, mini_batches, micro=GROUP_SIZE)
+                continue
             config = _config(prompts, mini_batches, micro=GROUP_SIZE)  # micro-batches of one group
             try:
                 check_world_layout(config, world)
@@ -132,7 +136,7 @@ def test_two_ranks_make_the_one_rank_mini_batches(prompts, mini_batches, micro):
     ("prompts", "mini_batches", "micro", "world", "rows"),
     [
         (3, 2, 0, 1, 8),  # groups {0, 2} and {1}: the largest mini-batch has 2 groups x 4 rows
-        (4, 8, 0, 1, 4),  # 8 mini-batches of 4 groups: 4 of one group each
+        (4, 4, 0, 1, 4),  # 4 mini-batches of 4 groups: one group each
         (4, 2, 12, 1, 8),  # a micro-batch is never larger than its mini-batch
         (6, 4, 5, 1, 5),  # 4 mini-batches of 2, 2, 1, 1 groups, cut in 5-row micro-batches
         (8, 2, 0, 2, 8),  # 4 groups per rank, 2 in each mini-batch

@@ -714,21 +714,7 @@ class TrainerConfig:
     def _check_contradictions(self) -> None:
         """Refuse settings that another setting makes meaningless: each would otherwise be ignored,
         or clamped, without a word."""
-        a, default = self.algorithm, AlgorithmConfig()
-        if a.name != "flow_grpo":
-            for key in ("clip_range", "kl_kind"):
-                if getattr(a, key) != getattr(default, key):
-                    own = (
-                        " (awm's own clip is algorithm.awm.clip_range)"
-                        if (a.name, key) == ("awm", "clip_range")
-                        else ""
-                    )
-                    raise ConfigError(
-                        f"algorithm.{key}={getattr(a, key)!r} with algorithm.name={a.name!r}: {key} belongs to "
-                        f"flow_grpo's policy-ratio loss, which {a.name} does not use (its KL term is the "
-                        f"velocity MSE weighted by algorithm.kl_coef); leave algorithm.{key} at its default "
-                        f"({getattr(default, key)!r}){own}"
-                    )
+        a = self.algorithm
         groups = self.data.prompts_per_step
         if a.mini_batches > groups:
             raise ConfigError(
@@ -879,19 +865,52 @@ def load_config(
     """Defaults (or ``base``), then the YAML recipe, then ``a.b=c`` overrides; ``${...}`` resolved,
     then validated as a whole. Raises `ConfigError` naming the dotted key."""
     node = _writable(OmegaConf.structured(TrainerConfig if base is None else base))
+    given: set[str] = set()  # the dotted keys the recipe and the overrides set
     if recipe is not None:
-        _set_section(node, TrainerConfig, _read_recipe(recipe), "")
+        data = _read_recipe(recipe)
+        given |= set(_leaves(data))
+        _set_section(node, TrainerConfig, data, "")
     for text in overrides or []:
-        _set_section(node, TrainerConfig, _parse_override(text), "")
+        data = _parse_override(text)
+        given |= set(_leaves(data))
+        _set_section(node, TrainerConfig, data, "")
     _resolve(node, TrainerConfig, "")
     try:
-        return OmegaConf.to_object(node)  # builds the frozen dataclasses: __post_init__ validates
+        config = OmegaConf.to_object(node)  # builds the frozen dataclasses: __post_init__ validates
     except ConfigError:
         raise
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {_reason(e)}") from None
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    check_ignored_settings(config, given)
+    return config
+
+
+FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = ("algorithm.clip_range", "algorithm.kl_kind")
+"""Settings of flow_grpo's policy-ratio loss that diffusion_nft and awm do not read."""
+
+
+def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
+    """Refuse a setting the recipe or the overrides give (``given``: dotted keys) that the chosen
+    algorithm would ignore without a word. A value inherited from the defaults or a ``base`` config
+    (the demo's clip_range) is not the user's choice and passes."""
+    name = config.algorithm.name
+    if name == "flow_grpo":
+        return
+    for key in FLOW_GRPO_ONLY_KEYS:
+        if key in given:
+            value = getattr(config.algorithm, key.rpartition(".")[2])
+            own = (
+                " (awm's own clip is algorithm.awm.clip_range)"
+                if (name, key) == ("awm", "algorithm.clip_range")
+                else ""
+            )
+            raise ConfigError(
+                f"{key}={value!r} with algorithm.name={name!r}: it belongs to flow_grpo's policy-ratio loss, "
+                f"which {name} does not use (its KL term is the velocity MSE weighted by "
+                f"algorithm.kl_coef); remove {key} from the recipe and overrides{own}"
+            )
 
 
 def _read_recipe(path: str | Path) -> dict[str, Any]:

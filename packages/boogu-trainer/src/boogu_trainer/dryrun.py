@@ -1203,6 +1203,7 @@ def case_config(
             f"sampler.width={size}",
             "reward.rewards=[{name: 'boogu_trainer.dryrun:HostScores'}]",
             "eval.rewards=[]",
+            "eval.every=0",  # no val_files: the evaluation call below is made directly
             f"eval.num_prompts={eval_per_rank * world_size}",
             f"eval.num_steps={eval_steps or EVAL_STEPS}",
             "preflight=false",
