@@ -721,46 +721,28 @@ class TrainerConfig:
                 f"algorithm.mini_batches={a.mini_batches} with data.prompts_per_step={groups}: a mini-batch "
                 f"holds whole prompt groups, so at most {groups} mini-batches (one group each)"
             )
+        # Settings that act on evaluations, which need both data.val_files and eval.every > 0.
+        on_evaluations = [
+            f"{key}={value!r}"
+            for key, value, on in (
+                ("eval.rewards", [r.name for r in self.eval.rewards], bool(self.eval.rewards)),
+                ("eval.stop_on_divergence", self.eval.stop_on_divergence, self.eval.stop_on_divergence > 0),
+                ("checkpoint.keep_best", self.checkpoint.keep_best, self.checkpoint.keep_best),
+            )
+            if on
+        ]
         if not self.data.val_files:
-            evaluating = self.eval.every > 0
-            uses = [
-                f"{key}={value!r}"
-                for key, value, on in (
-                    ("eval.every", self.eval.every, evaluating),
-                    ("eval.rewards", [r.name for r in self.eval.rewards], bool(self.eval.rewards)),
-                    (
-                        "eval.stop_on_divergence",
-                        self.eval.stop_on_divergence,
-                        self.eval.stop_on_divergence > 0,
-                    ),
-                    ("checkpoint.keep_best", self.checkpoint.keep_best, self.checkpoint.keep_best),
-                )
-                if on
-            ]
+            uses = [f"eval.every={self.eval.every}"] * (self.eval.every > 0) + on_evaluations
             if uses:
                 raise ConfigError(
                     f"{', '.join(uses)} without data.val_files: evaluation runs on the validation prompts; "
                     "set data.val_files (parquet files or folders), or turn evaluation off"
                 )
-        elif self.eval.every == 0:
-            uses = [
-                f"{key}={value!r}"
-                for key, value, on in (
-                    ("eval.rewards", [r.name for r in self.eval.rewards], bool(self.eval.rewards)),
-                    (
-                        "eval.stop_on_divergence",
-                        self.eval.stop_on_divergence,
-                        self.eval.stop_on_divergence > 0,
-                    ),
-                    ("checkpoint.keep_best", self.checkpoint.keep_best, self.checkpoint.keep_best),
-                )
-                if on
-            ]
-            if uses:
-                raise ConfigError(
-                    f"{', '.join(uses)} with eval.every=0: these act on evaluations, and none runs; "
-                    "set eval.every > 0"
-                )
+        elif self.eval.every == 0 and on_evaluations:
+            raise ConfigError(
+                f"{', '.join(on_evaluations)} with eval.every=0: these act on evaluations, and none runs; "
+                "set eval.every > 0"
+            )
 
     @property
     def run_path(self) -> Path:
