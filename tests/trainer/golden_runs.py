@@ -78,7 +78,8 @@ def machine() -> dict[str, str]:
     }
 
 
-def _edit_rows(folder: Path) -> Path:
+def edit_rows(folder: Path) -> Path:
+    """``folder/edit.parquet``: two edit prompts, each with its own 48x32 noise reference image."""
     import numpy as np
     from PIL import Image
 
@@ -109,7 +110,7 @@ def run_case(name: str, tiny_checkpoint: Path, work: Path) -> dict[str, str]:
     extra = list(CASES[name])
     if "EDIT" in extra:
         extra.remove("EDIT")
-        extra.append(f"data.train_files=[{_edit_rows(work)}]")
+        extra.append(f"data.train_files=[{edit_rows(work)}]")
     config = load_config(
         None,
         [f"model.path={tiny_checkpoint}", f"logging.run_dir={work}", f"logging.name={name}", *COMMON, *extra],

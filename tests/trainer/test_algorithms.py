@@ -241,29 +241,10 @@ def test_forward_process_learners_train_edit_rows_with_their_reference(
 ):
     """Edit rows through DiffusionNFT and AWM: every training forward on the re-noised final latents
     carries each row's own reference latents (the rollout's, in row order), and the step trains."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
     import boogu_trainer.forward_process as fp
-    from boogu_data import PromptRecord, write_records
+    from tests.trainer.golden_runs import edit_rows
 
-    def png(seed: int) -> bytes:
-        pixels = np.random.default_rng(seed).integers(0, 256, (32, 48, 3), dtype=np.uint8)
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="PNG")
-        return buffer.getvalue()
-
-    path = tmp_path / "edit.parquet"
-    write_records(
-        [
-            PromptRecord(instruction=p, ground_truth="hi", data_source="test/edit", index=i, ref_image=png(i))
-            for i, p in enumerate(["make it orange", "make it blue"])
-        ],
-        path,
-        "edit",
-    )
+    path = edit_rows(tmp_path)
     short = FORWARD_OPTIONS_KEYS[name]
     cfg = make(
         tiny_checkpoint,
