@@ -343,12 +343,21 @@ def test_a_broken_newest_checkpoint_is_skipped_with_a_warning_naming_both(checkp
     assert f"using {used} instead" in caplog.text
 
 
-def test_a_file_that_matches_its_manifest_but_is_not_safetensors(trained, checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("adapter_model.safetensors", "is not a valid safetensors file"),
+        ("adapter_config.json", "is not valid JSON"),
+    ],
+)
+def test_a_file_that_matches_its_manifest_but_is_not_what_it_says(
+    name, problem, trained, checkpoint, tmp_path, capsys
+):
     garbage = tmp_path / "step_000001"
     shutil.copytree(checkpoint, garbage)
-    replace_file(garbage, "adapter_model.safetensors", b"not a safetensors file at all" * 4)
+    replace_file(garbage, name, b"not a safetensors file at all, nor JSON" * 4)
     assert verify_checkpoint(garbage) is None
-    wanted = f"{garbage / 'adapter_model.safetensors'} is not a valid safetensors file"
+    wanted = f"{garbage / name} {problem}"
     assert sample_cli.main(["--checkpoint", str(garbage), "--merge-to", str(tmp_path / "m")]) == 2
     assert wanted in capsys.readouterr().err and not (tmp_path / "m").exists()
     with pytest.raises(CheckpointError, match=re.escape(wanted)):

@@ -285,6 +285,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from error
 
 
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; a `CheckpointError` naming it if it cannot be read or is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from error
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+        raise CheckpointError(f"{path} is not valid JSON ({error})") from error
+
+
 def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
     """Read a checkpoint folder (verify it first: `verify_checkpoint`)."""
     folder = Path(folder)
@@ -298,10 +308,10 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
     old_path = folder / "old_policy.safetensors"
     return CheckpointContents(
         lora=from_peft_keys(tensors("adapter_model.safetensors")),
-        lora_config=json.loads((folder / "adapter_config.json").read_text()),
+        lora_config=read_json(folder / "adapter_config.json"),
         optimizer_tensors=tensors("optimizer.safetensors"),
-        optimizer_meta=json.loads((folder / "optimizer.json").read_text()),
-        trainer_state=json.loads((folder / "trainer_state.json").read_text()),
+        optimizer_meta=read_json(folder / "optimizer.json"),
+        trainer_state=read_json(folder / "trainer_state.json"),
         config_yaml=(folder / "config.yaml").read_text(),
         ema=from_peft_keys(tensors("ema.safetensors")) if ema_path.exists() else None,
         rng=tensors("rng.safetensors"),

@@ -104,14 +104,14 @@ def read_lora(folder: Path, which: Literal["lora", "ema"] = "lora") -> TrainedLo
     """The checkpoint's LoRA (``adapter_model.safetensors``) or its EMA (``ema.safetensors``), with the
     run's targets and rank (``config.yaml``)."""
     from boogu_adapters.lora import from_peft_keys
-    from boogu_trainer.checkpoint import CheckpointError, lora_scale, read_tensors
+    from boogu_trainer.checkpoint import CheckpointError, lora_scale, read_json, read_tensors
 
     name = "adapter_model.safetensors" if which == "lora" else "ema.safetensors"
     if not (folder / name).is_file():
         raise SampleError(f"--ema: {folder} has no {name} (the run was trained with ema.enabled=false)")
-    config = json.loads((folder / "adapter_config.json").read_text())
     run = run_config(folder).lora
     try:
+        config = read_json(folder / "adapter_config.json")
         tensors = from_peft_keys(read_tensors(folder / name))
     except CheckpointError as error:
         raise SampleError(str(error)) from None
