@@ -23,7 +23,8 @@ from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_schedule import WindowPlan
 from boogu_trainer.config import config_changes, config_to_dict, load_config
-from boogu_trainer.loop import Trainer, resolve_dtype
+from boogu_trainer.loop import Trainer
+from boogu_trainer.models import resolve_dtype
 from tests.host_sync import HostSyncGuard, no_tolist
 
 PROMPTS = [

@@ -13,6 +13,7 @@ the group; one SDE window per group by default.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -70,14 +71,23 @@ class RolloutEngine(Protocol):
 @runtime_checkable
 class RelabelableEngine(RolloutEngine, Protocol):
     """An engine whose weight version a caller can put back (the preflight does, after perturbing
-    and restoring the weights): it keeps a log of its syncs and can be relabelled. Both engines of
-    this package are."""
+    and restoring the weights): it keeps a log of its syncs and can be relabelled, and its run-time
+    state (version, sync log, counters) round-trips through ``state_dict``. Both engines of this
+    package are (`EngineBookkeeping`)."""
 
     sync_log: list[tuple[int, str]]
     """``(version, fingerprint)`` of every sync, in order."""
 
     def relabel(self, version: int) -> None:
         """Call the weights the engine holds ``version`` (the caller restored that version's weights)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the engine's run-time state: weights version, sync log, counters."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back a `state_dict` (the caller restored that version's weights)."""
         ...
 
 
@@ -142,6 +152,32 @@ class EngineStats:
         return d
 
 
+class EngineBookkeeping:
+    """The run-time state of an engine of this package: the version of the weights it holds, the log
+    of its syncs and its counters (`RelabelableEngine`)."""
+
+    stats: EngineStats
+    sync_log: list[tuple[int, str]]
+    _version: int
+
+    def relabel(self, version: int) -> None:
+        """Call the current weights ``version`` (a caller put back weights equal to that version's,
+        as the preflight does after its sync check)."""
+        self._version = version
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "weights_version": self._version,
+            "sync_log": list(self.sync_log),
+            "stats": copy.deepcopy(self.stats),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.relabel(int(state["weights_version"]))
+        self.sync_log[:] = state["sync_log"]
+        self.stats = copy.deepcopy(state["stats"])
+
+
 class _Timer:
     """Wall time of a block into ``stats.seconds[key]``; on CUDA, GPU time between two events.
 
@@ -168,7 +204,7 @@ class _Timer:
             self.stats.seconds[self.key] += time.perf_counter() - self.t0
 
 
-class LocalRolloutEngine:
+class LocalRolloutEngine(EngineBookkeeping):
     """In-process rollouts with the trainer's own transformer module.
 
     Args:
@@ -264,11 +300,6 @@ class LocalRolloutEngine:
             raise WeightSyncError(f"sync v{version}: engine holds {applied}, trainer sent {sent}")
         self._version = version
         self.sync_log.append((version, sent))
-
-    def relabel(self, version: int) -> None:
-        """Call the current weights ``version`` (a caller put back weights equal to that version's,
-        as the preflight does after its sync check)."""
-        self._version = version
 
     def close(self) -> None:
         self.transformer = None  # type: ignore[assignment]

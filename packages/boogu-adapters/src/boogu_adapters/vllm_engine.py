@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from boogu_adapters.lora import WeightSyncError
-from boogu_adapters.rollout import EngineStats
+from boogu_adapters.rollout import EngineBookkeeping, EngineStats
 from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
 from boogu_protocol import (
     PROTOCOL_VERSION,
@@ -75,7 +75,7 @@ def _log_tail(path: Path | None, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-class VllmOmniRolloutEngine:
+class VllmOmniRolloutEngine(EngineBookkeeping):
     """Rollouts served by a ``boogu_vllm.worker`` process.
 
     Args:

@@ -107,6 +107,64 @@ class CheckpointContents:
     """DiffusionNFT's old policy (file keys), or None."""
 
 
+def contents_of(
+    state: Mapping[str, Any], *, run_id: str, world_size: int, config: TrainerConfig
+) -> CheckpointContents:
+    """A checkpoint's files from the trainer's state by component (`Trainer.state_dict`).
+
+    The file layout is the v0.2 one, so older checkpoints load: the learner's tensors in their own
+    safetensors files, the small components' state in ``trainer_state.json``.
+    """
+    learner, own = state["learner"], state["trainer"]
+    return CheckpointContents(
+        lora=learner["lora"],
+        lora_config=learner["lora_config"],
+        optimizer_tensors=learner["optimizer_tensors"],
+        optimizer_meta=learner["optimizer_meta"],
+        trainer_state={
+            "step": own["step"],
+            "run_id": run_id,
+            "world_size": world_size,
+            "data": state["data"],
+            "nonfinite_streak": own["nonfinite_streak"],
+            "counters": learner["counters"],
+            "weights_version": own["weights_version"],
+            "gold": state["gold"],
+            "totals": state["totals"],
+        },
+        config_yaml=yaml.safe_dump(config_to_dict(config), sort_keys=False),
+        ema=learner["ema"],
+        rng=state["rng"],
+        old=learner["old"],
+    )
+
+
+def state_of(contents: CheckpointContents) -> dict[str, Any]:
+    """The trainer's state by component from a checkpoint's files (the inverse of `contents_of`)."""
+    saved = contents.trainer_state
+    return {
+        "trainer": {
+            "step": int(saved["step"]),
+            "nonfinite_streak": int(saved["nonfinite_streak"]),
+            "weights_version": int(saved["weights_version"]),
+            "world_size": saved.get("world_size"),
+        },
+        "learner": {
+            "lora": contents.lora,
+            "lora_config": contents.lora_config,
+            "optimizer_tensors": contents.optimizer_tensors,
+            "optimizer_meta": contents.optimizer_meta,
+            "ema": contents.ema,
+            "old": contents.old,
+            "counters": saved["counters"],
+        },
+        "data": saved["data"],
+        "gold": saved.get("gold"),
+        "totals": saved.get("totals", {}),
+        "rng": contents.rng,
+    }
+
+
 # ---- RNG ------------------------------------------------------------------------------------------
 # The project itself never draws from a global RNG (its streams are explicit generators), but a
 # user's reward may: each rank's global states are saved, so such a reward resumes exactly too.
@@ -490,6 +548,15 @@ class Checkpointer:
         fault_point("checkpoint_committed", step, self.dist.rank)
         self.prune(keep=final)
         return final
+
+    def save_state(self, step: int, state: Mapping[str, Any]) -> Path:
+        """`save` the trainer's state by component (`contents_of`)."""
+        contents = contents_of(state, run_id=self.run_id, world_size=self.dist.world_size, config=self.config)
+        return self.save(step, contents)
+
+    def load_state(self, folder: Path) -> dict[str, Any]:
+        """`load` ``folder`` as the trainer's state by component (`state_of`)."""
+        return state_of(self.load(folder))
 
     def committed(self, step: int) -> Path | None:
         """This run's intact checkpoint of ``step``, or None. Decided on rank 0, the same on every rank.

@@ -187,7 +187,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     from boogu_trainer.distributed import RECORD_ENV, CollectiveTimeout, DistEnv, record_collectives
     from boogu_trainer.loop import Trainer, TrainingStopped
     from boogu_trainer.metrics import reward_verdict, summarize_rewards
-    from boogu_trainer.preflight import PreflightError, preflight_due, run_preflight
+    from boogu_trainer.preflight import PreflightError
 
     _quiet_libraries()
     dist = DistEnv.from_environment(
@@ -221,10 +221,9 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
                     if folder
                     else "no checkpoint yet: starting fresh"
                 )
-        if preflight_due(trainer):
-            trainer.preflight_report = run_preflight(trainer)
-            if main_rank:
-                print(trainer.preflight_report.render())
+        report = trainer.preflight()  # before the progress bar; `train` would run it otherwise
+        if report is not None and main_rank:
+            print(report.render())
         if main_rank and config.logging.progress:
             from tqdm import tqdm
 

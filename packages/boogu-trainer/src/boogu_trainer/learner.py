@@ -86,6 +86,7 @@ class Learner:
         named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self._names = {id(p): n for n, p in named}
         o = config.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -371,6 +372,15 @@ class Learner:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW state keyed by parameter name (full tensors, also under FSDP2) plus hyper-parameters."""
+        if not self.optimizer.state:
+            # Before the first step: torch's state-dict API would initialise the state (a zero step),
+            # so a snapshot (the preflight's) would change what it reads.
+            groups = [
+                {k: v for k, v in g.items() if k != "params"}
+                | {"params": [self._names[id(p)] for p in g["params"]]}
+                for g in self.optimizer.param_groups
+            ]
+            return {}, {"param_groups": groups, "names": self.param_names}
         sd = full_optimizer_state(self.transformer, self.optimizer)
         tensors: dict[str, torch.Tensor] = {}
         for name, state in sd["state"].items():
@@ -432,16 +442,48 @@ class Learner:
             {**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g)
             for g in optimizer_meta["param_groups"]
         ]
-        load_full_state(self.transformer, {}, self.optimizer, {"state": state, "param_groups": groups})
-        # Loading first initialises a state for every parameter (a zero-gradient step); a parameter
-        # that had never received a gradient (e.g. the reference-image refiner in a T2I run) must stay
-        # without one, or its first real update would use a different Adam step count.
-        for name, param in zip(self.param_names, self.params):
-            if name not in state:
-                self.optimizer.state.pop(param, None)
+        if state:
+            load_full_state(self.transformer, {}, self.optimizer, {"state": state, "param_groups": groups})
+            # Loading first initialises a state for every parameter (a zero-gradient step); a parameter
+            # that had never received a gradient (e.g. the reference-image refiner in a T2I run) must
+            # stay without one, or its first real update would use a different Adam step count.
+            for name, param in zip(self.param_names, self.params):
+                if name not in state:
+                    self.optimizer.state.pop(param, None)
+        else:  # saved before the first step: no state, only the hyper-parameters
+            self.optimizer.state.clear()
+            for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
         if self.config.ema.enabled:
             if ema is None:
                 raise ValueError("ema.enabled=true but the checkpoint has no EMA weights")
-            self.ema = {k: v.float().to(self.device) for k, v in ema.items()}
+            self.ema = {k: v.to(self.device, torch.float32, copy=True) for k, v in ema.items()}  # never aliased
         self.counters = defaultdict(int, counters)
         self.old_is_current = not self.counters.get("old_lags", 0)
+
+    def state_dict(self, full_lora: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """LoRA (file keys, float32), its peft config, AdamW state, EMA, NFT old policy and counters;
+        ``full_lora``: the whole LoRA if already gathered. A collective under FSDP."""
+        tensors, meta = self.optimizer_state()
+        lora = full_lora if full_lora is not None else self.full_lora()
+        old = self.old_state()
+        return {
+            "lora": {k: v.float().cpu() for k, v in lora.items()},
+            "lora_config": self.adapter_config(),
+            "optimizer_tensors": tensors,
+            "optimizer_meta": meta,
+            "ema": None if self.ema is None else {k: v.cpu() for k, v in self.ema.items()},
+            "old": None if old is None else {k: v.float().cpu() for k, v in old.items()},
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.load(
+            state["lora"],
+            state["optimizer_tensors"],
+            state["optimizer_meta"],
+            state["ema"],
+            state["counters"],
+            old=state["old"],
+        )

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,42 +31,28 @@ import torch
 import yaml
 
 from boogu_adapters.components import build_local_engine
-from boogu_adapters.loading import BooguParts, load_boogu
-from boogu_adapters.lora import LoraMismatchError, add_lora, compute_lora_in_input_dtype, is_lora_param
+from boogu_adapters.loading import BooguParts
+from boogu_adapters.lora import LoraMismatchError
 from boogu_adapters.rollout import RolloutEngine
 from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
-from boogu_trainer.config import (
-    ConfigError,
-    TrainerConfig,
-    check_world_layout,
-    config_to_dict,
-    resolved_model_dtype,
-)
+from boogu_trainer.config import ConfigError, TrainerConfig, check_world_layout, config_to_dict
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
 from boogu_trainer.distributed import DistEnv, shard_transformer
-from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker
+from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker, Verdict
 from boogu_trainer.faults import fault_point
 from boogu_trainer.learner import Learner, UpdateResult
-from boogu_trainer.metrics import (
-    ForwardCounter,
-    MetricsLogger,
-    StepTimer,
-    forward_equivalents,
-    plot_reward_curve,
-    sample_grid,
-)
-from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf, unwrap_transformer
-from boogu_trainer.preflight import PreflightReport, lora_targets_error, preflight_due, run_preflight
+from boogu_trainer.metrics import MetricsLogger, plot_reward_curve, sample_grid
+from boogu_trainer.models import base_model_path, enable_tf32, load_base_parts, prepare_policy
+from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.rollout import RolloutScorer, ScoredBatch
+from boogu_trainer.step_metrics import StepMetrics
 
 logger = logging.getLogger("boogu_trainer")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TrainingStopped(RuntimeError):
@@ -78,39 +63,6 @@ class TrainingStopped(RuntimeError):
 class StepResult:
     metrics: dict[str, Any]
     batch: ScoredBatch
-
-
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``model.dtype`` on ``device``: 'auto' is bfloat16 on CUDA and float32 elsewhere."""
-    return DTYPES[resolved_model_dtype(spec, device.type)]
-
-
-def enable_tf32(config: TrainerConfig, device: torch.device) -> None:
-    """TF32 for the float32 matmuls and convolutions left on CUDA (``model.tf32``)."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = config.model.tf32
-        torch.backends.cudnn.allow_tf32 = config.model.tf32
-
-
-def base_model_path(config: TrainerConfig) -> Path:
-    """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
-    if config.model.path:
-        return Path(config.model.path).expanduser()
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
-
-    return Path(ensure_tiny_checkpoint(Path(config.model.tiny_path).expanduser()))
-
-
-def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
-    """The run's base model (no LoRA), in ``model.dtype`` on ``device``."""
-    m = config.model
-    return load_boogu(
-        base_model_path(config),
-        transformer=m.transformer,
-        trust_remote_code=m.trust_remote_code,
-        dtype=resolve_dtype(m.dtype, device),
-        device=device,
-    )
 
 
 class Trainer:
@@ -158,7 +110,7 @@ class Trainer:
                 f"{len(self._train_rows[0])}; a step needs {config.data.prompts_per_step}"
             )
         self.parts = parts if parts is not None else self._load_parts()
-        self.transformer = self._prepare_transformer(self.parts.transformer)
+        self.transformer = prepare_policy(self.parts.transformer, config)
         if self.dist.enabled:
             shard_transformer(self.transformer, self.dist)
         self.local_engine = build_local_engine(
@@ -197,15 +149,17 @@ class Trainer:
         )
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
         self.evaluator = Evaluator(config, self.engine, self.rewards, self.dist, val)
-        self.forwards = ForwardCounter(self.transformer)
-        self.learner.count_as = self.forwards.counting
-        self.totals: dict[str, float] = {"fe": 0, "backward": 0, "tflops": 0.0, "images": 0, "time_s": 0.0}
-        """Cumulative compute of the run, all ranks (``cum/*`` metrics; kept in the checkpoints)."""
-        self.flop_meter = FlopMeter(self.transformer, attention_recompute=self.device.type == "cuda")
-        self._peak_tflops: float | None = None
+        self.step_metrics = StepMetrics(
+            self.transformer, self.dist, self.device, peak_override=config.perf.peak_tflops
+        )
+        self.learner.count_as = self.step_metrics.forwards.counting
         self.metrics: MetricsLogger | None = None
-        self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (0, None)
+        self._published: tuple[int, dict[str, torch.Tensor] | None] = (0, None)
+        """``(version, full LoRA)`` of the last `publish_weights` that gathered it (reused by a
+        checkpoint of the same step)."""
         self.step = 0
+        """Steps completed. Step ``self.step + 1`` is the next; its rollout and update are seeded by
+        ``self.step`` (0-based), everything a person reads (logs, collectives, faults) says ``step k``."""
         self.nonfinite_streak = 0
         self.preflight_report: PreflightReport | None = None
         self.gold = GoldTracker(k=config.eval.stop_on_divergence)
@@ -213,45 +167,6 @@ class Trainer:
     # ---- construction --------------------------------------------------------------------------
     def _load_parts(self) -> BooguParts:
         return load_base_parts(self.config, self.device)
-
-    def _prepare_transformer(self, transformer: torch.nn.Module) -> torch.nn.Module:
-        cfg = self.config
-        for p in transformer.parameters():
-            p.requires_grad_(False)
-        try:
-            add_lora(
-                transformer,
-                rank=cfg.lora.rank,
-                alpha=cfg.lora.alpha,
-                target_modules=cfg.lora.target_modules,
-                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
-                seed=cfg.seed,
-            )
-        except ValueError as e:  # no module matched: the preflight's named stop, whatever preflight says
-            error = lora_targets_error(transformer, cfg.lora.target_modules, e)
-            if error is None:
-                raise
-            raise error from e
-        # float32 master weights for the adapters even when the base runs in bf16; their products
-        # run in the activations' dtype (bf16 on GPU), like the base layers'.
-        for name, p in transformer.named_parameters():
-            if is_lora_param(name):
-                p.data = p.data.float()
-        compute_lora_in_input_dtype(transformer)
-        checkpointing = cfg.model.gradient_checkpointing
-        if checkpointing is None:
-            checkpointing = transformer.config.hidden_size >= 1024
-        if checkpointing:
-            transformer.enable_gradient_checkpointing()
-        if cfg.model.compile:
-            if not hasattr(transformer, "enable_regional_compile"):
-                raise ValueError(
-                    f"model.compile=true needs the native transformer (model.transformer=native), "
-                    f"got {type(transformer).__name__}"
-                )
-            # Per block, after LoRA and checkpointing and before FSDP: keys and hooks stay as they are.
-            transformer.enable_regional_compile(bucket=cfg.model.compile_bucket)
-        return transformer
 
     def _remote_engine(self) -> RolloutEngine:
         """``rollout.engine=vllm_omni``: a rollout worker in vllm-omni's environment, connected at
@@ -293,6 +208,8 @@ class Trainer:
     def close(self) -> None:
         """Stop what the run started outside this process (a launched rollout worker); unlock the run folder."""
         self.run_lock.release()
+        if hasattr(self, "step_metrics"):
+            self.step_metrics.close()
         if self.engine is not self.local_engine:
             self.engine.close()
 
@@ -331,10 +248,17 @@ class Trainer:
         return records
 
     # ---- the loop ------------------------------------------------------------------------------
+    def preflight(self) -> PreflightReport | None:
+        """Run the preflight if it is due (``preflight`` on, a fresh run, not run yet); the report, or
+        None when it is not due. A failed check raises `PreflightError` before any output."""
+        if preflight_due(self):
+            self.preflight_report = run_preflight(self)
+            return self.preflight_report
+        return None
+
     def train(self, progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         cfg = self.config
-        if preflight_due(self):
-            self.preflight_report = run_preflight(self)  # a PreflightError stops before any output
+        self.preflight()
         self.lock_run_folder()
         if self.metrics is None:
             self.metrics = self._open_metrics()
@@ -352,7 +276,7 @@ class Trainer:
                 self.gold.observe_step(float(result.metrics.get("reward/mean", math.nan)))
                 evaluation = self._evaluate() if self.evaluator.due(self.step) else None
                 if evaluation is not None:
-                    record.update(evaluation.metrics)
+                    record.update(evaluation[0].metrics)
                 self._write_outputs(record, result)
                 saved = None
                 if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or (
@@ -360,7 +284,7 @@ class Trainer:
                 ):
                     saved = self.save()
                 if evaluation is not None:
-                    self._after_evaluation(evaluation, saved)
+                    self._after_evaluation(*evaluation, saved)
                 fault_point("step_end", self.step, self.dist.rank)
                 if progress is not None:
                     progress(self.step, record)
@@ -369,18 +293,55 @@ class Trainer:
             self.run_lock.release()
         return self.metrics.history
 
-    def _evaluate(self) -> EvalResult:
+    def train_step(self) -> StepResult:
+        """One step: roll out and score, update the policy, publish the new weights, check."""
+        done, step, rank, meter = self.step, self.step + 1, self.dist.rank, self.step_metrics
+        meter.start()
+        fault_point("step_start", step, rank)
+        records = self.data.next_batch()
+        lo, hi = self.dist.shard(len(records))
+        with (
+            meter.phase("rollout"),
+            self.dist.collective(f"rollout, step {step}"),
+            self.learner.sampling_policy(),  # DiffusionNFT rolls out with its old policy
+        ):
+            batch = self.rollout.run(records[lo:hi], group_offset=lo, step=done)
+        fault_point("after_rollout", step, rank)
+        with meter.phase("train"), self.dist.collective(f"update, step {step}"):
+            update = self.learner.update(batch, step=done)
+        fault_point("after_update", step, rank)
+        with meter.phase("sync"), self.dist.collective(f"weight sync, step {step}"):
+            self.publish_weights(version=step)
+        self._check_failures(update)
+        metrics = meter.finish(
+            batch, update, self._state_metrics(), remote=self.engine is not self.local_engine
+        )
+        self._warn_logprob_diff(metrics, step)
+        return StepResult(metrics=metrics, batch=batch)
+
+    def _state_metrics(self) -> dict[str, Any]:
+        """The counters a step's record shows: skipped updates, non-finite rewards, the weights version."""
+        counters = self.learner.counters
+        out = {
+            "skipped_updates": counters["skipped_updates"],
+            "nonfinite_reward_samples": counters["nonfinite_reward_samples"],
+            "weights_version": self.engine.weights_version,
+        }
+        if self.learner.old is not None:
+            out["nft/old_decay"] = self.learner.last_old_decay
+        return out
+
+    def _evaluate(self) -> tuple[EvalResult, Verdict]:
         """Evaluate now; rank 0 writes ``eval/step_XXXXXX/``. Updates the best gold score and the
         divergence streak (their state goes into the checkpoint of this step)."""
         result = self.evaluator.evaluate(self.step)
         self.evaluator.write(result, self.run_dir)
-        self._verdict = self.gold.evaluation(self.step, result.gold, ckpt.step_dir_name(self.step))
-        return result
+        return result, self.gold.evaluation(self.step, result.gold, ckpt.step_dir_name(self.step))
 
-    def _after_evaluation(self, result: EvalResult, saved: Path | None) -> None:
+    def _after_evaluation(self, result: EvalResult, verdict: Verdict, saved: Path | None) -> None:
         """``checkpoint.keep_best``: a new best gold score gets a checkpoint and ``checkpoints/best.json``;
         ``eval.stop_on_divergence``: warn, or stop with a checkpoint."""
-        cfg, verdict = self.config, self._verdict
+        cfg = self.config
         if verdict.new_best and cfg.checkpoint.keep_best:
             saved = saved or self.save()
             self.checkpointer.mark_best(self.step, result.gold, saved)
@@ -391,84 +352,6 @@ class Trainer:
                 raise TrainingStopped(
                     f"{verdict.message}; stopped (eval.divergence_action=stop), the state is saved in {path}"
                 )
-
-    def train_step(self) -> StepResult:
-        """One FlowGRPO step: roll out and score, update the policy, publish the new weights."""
-        step = self.step + 1
-        timer = StepTimer(self.device)
-        self.flop_meter.take()  # forwards since the last step (an evaluation) are not this step's
-        fault_point("step_start", step, self.dist.rank)
-        records = self.data.next_batch()
-        lo, hi = self.dist.shard(len(records))
-        with (
-            timer("rollout"),
-            self.forwards.counting("rollout"),
-            self.dist.collective(f"rollout, step {step}"),
-            self.learner.sampling_policy(),  # DiffusionNFT rolls out with its old policy
-        ):
-            batch = self.rollout.run(records[lo:hi], group_offset=lo, step=self.step)
-        fault_point("after_rollout", step, self.dist.rank)
-        with timer("train"), self.forwards.counting("train"), self.dist.collective(f"update, step {step}"):
-            update = self.learner.update(batch, step=self.step)
-        fault_point("after_update", step, self.dist.rank)
-        with timer("sync"), self.dist.collective(f"weight sync, step {step}"):
-            self.publish_weights(version=step)
-        self._check_failures(update)
-        forwards = self.forwards.take()
-        if self.engine is not self.local_engine:
-            # The rollout's forwards ran in the worker, not on this module: count what it reports,
-            # and book their model FLOPs from the batch's layout (perf/tflops_worker).
-            forwards["rollout"] = forwards.get("rollout", 0) + batch.trajectory.nfe
-            self.flop_meter.book_remote_rollout(batch.trajectory)
-        self._warn_logprob_diff(update.metrics, step)
-        images = batch.metrics["samples"]
-        metrics = {**batch.metrics, **update.metrics, **timer.metrics()}
-        metrics.update(
-            {
-                "images_per_s": images / metrics["time/step"],
-                "nfe/rollout_per_image": forwards.get("rollout", 0) / batch.trajectory.batch_size,
-                "nfe/train_per_image": forwards.get("train", 0) / batch.trajectory.batch_size,
-                "peak_memory_gb": _peak_memory_gb(self.device),
-                "skipped_updates": self.learner.counters["skipped_updates"],
-                "nonfinite_reward_samples": self.learner.counters["nonfinite_reward_samples"],
-                "weights_version": self.engine.weights_version,
-            }
-        )
-        perf = self._perf(metrics["time/step"], batch.trajectory.batch_size)
-        metrics.update(perf)
-        metrics.update(
-            self._compute_metrics(forwards, perf, batch.trajectory.batch_size, metrics["time/step"])
-        )
-        if self.learner.old is not None:
-            metrics["nft/old_decay"] = self.learner.last_old_decay
-        return StepResult(metrics=metrics, batch=batch)
-
-    def _compute_metrics(
-        self, forwards: dict[str, int], perf: dict[str, float], images: int, seconds: float
-    ) -> dict[str, float]:
-        """Forward-equivalents per image by phase (this rank), and the run's cumulative totals (all
-        ranks), so that curves can be drawn against compute as well as steps."""
-        fe = forward_equivalents(forwards, checkpointing=self._checkpointing())
-        out = {f"fe/{k}_per_image": v / max(images, 1) for k, v in fe.items()}
-        # This rank's model TFLOP of the step (totals, not rates), with its worker's rollout.
-        step_tflops = perf.get("perf/tflops", 0.0) + perf.get("perf/tflops_worker", 0.0)
-        local = torch.tensor([fe["total"], fe["backward"], step_tflops, images], dtype=torch.float64)
-        total = self.dist.all_reduce_sum(local, "compute totals").tolist()  # one host read per step
-        for key, value in zip(("fe", "backward", "tflops", "images"), total):
-            self.totals[key] += value
-        self.totals["time_s"] += seconds
-        out.update({f"cum/{k}": float(v) for k, v in self.totals.items()})
-        return out
-
-    def _checkpointing(self) -> bool:
-        return bool(getattr(unwrap_transformer(self.transformer), "gradient_checkpointing", False))
-
-    def _perf(self, step_seconds: float, local_images: int) -> dict[str, float]:
-        """This rank's model FLOPs of the step, its MFU against this device's peak, per image."""
-        if self._peak_tflops is None:
-            dtype = next(p.dtype for n, p in self.transformer.named_parameters() if not is_lora_param(n))
-            self._peak_tflops = peak_tflops(self.device, dtype, self.config.perf.peak_tflops)
-        return step_perf(self.flop_meter.take(), step_seconds, images=local_images, peak=self._peak_tflops)
 
     def _warn_logprob_diff(self, metrics: dict[str, Any], step: int) -> None:
         """Warn when training's recomputed log-probs drift from the engine's (another engine's kernels,
@@ -494,7 +377,7 @@ class Trainer:
         self.engine.sync_weights(version, self._rollout_lora(full), module=self.transformer)
         if full is not None:
             self.learner.update_ema(full)
-        self._gathered = (version, full)
+        self._published = (version, full)
 
     def _rollout_lora(self, full: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         """What an engine with its own copy of the weights rolls out with: the LoRA, or NFT's old
@@ -507,7 +390,7 @@ class Trainer:
 
     def _full_lora(self) -> dict[str, torch.Tensor]:
         """The whole LoRA as published this step, or gathered now (a collective under FSDP)."""
-        version, full = self._gathered
+        version, full = self._published
         if full is not None and version == self.engine.weights_version:
             return full
         return self.learner.full_lora()
@@ -589,69 +472,55 @@ class Trainer:
         sample_grid(traj.images[order], captions, folder / f"step_{self.step:04d}.png")
 
     # ---- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> ckpt.CheckpointContents:
-        tensors, meta = self.learner.optimizer_state()
-        ema = self.learner.ema
-        return ckpt.CheckpointContents(
-            lora={k: v.float().cpu() for k, v in self._full_lora().items()},
-            lora_config=self.learner.adapter_config(),
-            optimizer_tensors=tensors,
-            optimizer_meta=meta,
-            trainer_state={
+    def state_dict(self) -> dict[str, Any]:
+        """The run's state by component: what a checkpoint holds (`ckpt.contents_of` lays it out in
+        files) and what the preflight puts back. Collectives under FSDP (the LoRA and the optimizer
+        state are gathered; so are the ranks' RNG states)."""
+        return {
+            "trainer": {
                 "step": self.step,
-                "run_id": self.checkpointer.run_id,
-                "world_size": self.dist.world_size,
-                "data": self.data.state_dict(),
                 "nonfinite_streak": self.nonfinite_streak,
-                "counters": dict(self.learner.counters),
                 "weights_version": self.engine.weights_version,
-                "gold": self.gold.state_dict(),
-                "totals": dict(self.totals),
             },
-            config_yaml=yaml.safe_dump(config_to_dict(self.config), sort_keys=False),
-            ema=None if ema is None else {k: v.cpu() for k, v in ema.items()},
-            rng=ckpt.rng_states_of_ranks(self.dist.gather_objects(ckpt.rng_state(self.device), "rng gather")),
-            old=None
-            if self.learner.old is None
-            else {k: v.float().cpu() for k, v in self.learner.old_state().items()},
-        )
+            "learner": self.learner.state_dict(full_lora=self._full_lora()),
+            "data": self.data.state_dict(),
+            "gold": self.gold.state_dict(),
+            "totals": self.step_metrics.state_dict(),
+            "rng": ckpt.rng_states_of_ranks(
+                self.dist.gather_objects(ckpt.rng_state(self.device), "rng gather")
+            ),
+        }
 
-    def load_state_dict(self, contents: ckpt.CheckpointContents) -> None:
-        state = contents.trainer_state
-        self.learner.load(
-            contents.lora,
-            contents.optimizer_tensors,
-            contents.optimizer_meta,
-            contents.ema,
-            state["counters"],
-            old=contents.old,
-        )
-        self.totals.update(state.get("totals", {}))
-        self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
-        self.step = int(state["step"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put every component back as `state_dict` gave it. The rollout engine is not touched: a resume
+        publishes the loaded weights (`resume`), the preflight puts the engine's own state back."""
+        self.learner.load_state_dict(state["learner"])
+        self.step_metrics.load_state_dict(state["totals"])
+        own = state["trainer"]
+        self.step = int(own["step"])
+        self.nonfinite_streak = int(own["nonfinite_streak"])
         self.data.load_state_dict(state["data"])
-        self.nonfinite_streak = int(state["nonfinite_streak"])
-        self.gold.load_state_dict(state.get("gold"))
+        self.gold.load_state_dict(state["gold"])
         self.checkpointer.restore_best(self.gold.best)
-        if contents.rng is not None:
-            mine = ckpt.rng_state_of_rank(contents.rng, self.dist.rank)
-            if mine is None:
-                logger.warning(
-                    "resume: %s holds no global RNG states for rank %d (it was saved by %s ranks); this rank "
-                    "keeps its seeded states, so a reward drawing from torch/numpy/random globals differs",
-                    self.run_dir,
-                    self.dist.rank,
-                    state.get("world_size", "?"),
-                )
-            else:
-                ckpt.set_rng_state(mine, self.device)
-        version = max(int(state["weights_version"]), 1)
-        self.engine.sync_weights(version, self._rollout_lora(None), module=self.transformer)
+        self._published = (0, None)
+        if state["rng"] is None:
+            return
+        mine = ckpt.rng_state_of_rank(state["rng"], self.dist.rank)
+        if mine is None:
+            logger.warning(
+                "resume: %s holds no global RNG states for rank %d (it was saved by %s ranks); this rank "
+                "keeps its seeded states, so a reward drawing from torch/numpy/random globals differs",
+                self.run_dir,
+                self.dist.rank,
+                own.get("world_size", "?"),
+            )
+        else:
+            ckpt.set_rng_state(mine, self.device)
 
     def save(self, step: int | None = None) -> Path:
         with self.dist.collective("checkpoint gather"):
-            contents = self.state_dict()
-        return self.checkpointer.save(self.step if step is None else step, contents)
+            state = self.state_dict()
+        return self.checkpointer.save_state(self.step if step is None else step, state)
 
     def resume(self, spec: str) -> Path | None:
         """``'auto'``: the newest intact checkpoint of this run (None if there is none); else a path."""
@@ -659,19 +528,17 @@ class Trainer:
         if folder is None:
             return None
         self.lock_run_folder()
-        contents = self.checkpointer.load(folder)
+        state = self.checkpointer.load_state(folder)
         if self.config.resume_allow_changes:
             logger.warning("resume: accepted config changes in %s", list(self.config.resume_allow_changes))
         try:
-            self.load_state_dict(contents)
+            self.load_state_dict(state)
         except LoraMismatchError as error:  # raised before anything is loaded
             raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
+        self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
+        # The engine adopts the loaded weights (those of the checkpoint's step, or the base at step 0).
+        version = max(int(state["trainer"]["weights_version"]), 1)
+        self.engine.sync_weights(version, self._rollout_lora(None), module=self.transformer)
         self.metrics = self._open_metrics()
         self.metrics.truncate_to(self.step)
         return folder
-
-
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

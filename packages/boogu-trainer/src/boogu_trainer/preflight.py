@@ -19,8 +19,11 @@ size, ``PROBE_STEPS`` denoising steps with a one-step SDE window inside, one bac
 * ``weight_sync``: a perturbed LoRA, published through ``Trainer.publish_weights``, changes the
   engine's next deterministic rollout, and the restored LoRA gives back the original one.
 
-Nothing is left behind: the LoRA, gradients, optimizer state, EMA, RNG states, data position,
-engine version and sync log, engine counters and forward counts are as before. Each failed check
+Nothing is left behind: the trainer's state is taken as a checkpoint takes it (`Trainer.state_dict`:
+LoRA, optimizer state, EMA, RNG states, data position, counters) and put back with its
+``load_state_dict`` (which drops the probe's gradients), and the engine's version, sync log and
+counters with the engine's own ``state_dict``; the probe's forwards are not the first step's (each
+step's meters start at zero). Each failed check
 raises `PreflightError` (its ``check`` names it; the message names the cause and the fix);
 ``preflight=false`` skips all of it, ``trainer --preflight RECIPE`` runs only this.
 """
@@ -33,7 +36,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -42,13 +45,18 @@ from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.rollout import RelabelableEngine
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_schedule import WindowPlan, derive_seed
-from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.distributed import local_tensor
 from boogu_trainer.evaluation import deterministic_request
 from boogu_trainer.perf import unwrap_transformer
 
 if TYPE_CHECKING:
-    from boogu_trainer.loop import Trainer
+    from boogu_adapters.rollout import RolloutEngine
+    from boogu_trainer.config import TrainerConfig
+    from boogu_trainer.data import PromptSampler
+    from boogu_trainer.distributed import DistEnv
+    from boogu_trainer.learner import Learner
+    from boogu_trainer.rewards.composite import WeightedRewards
+    from boogu_trainer.rollout import RolloutScorer
 
 logger = logging.getLogger("boogu_trainer")
 
@@ -72,6 +80,30 @@ seen on an AVX-512/AMX Xeon). A dtype, schedule or weights mismatch is orders of
 
 CHECKS = ("lora_targets", "reward_spread", "on_policy_ratio", "gradients", "weight_sync")
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+class PreflightTarget(Protocol):
+    """What the preflight uses of a trainer (`boogu_trainer.loop.Trainer` is one): its components, the
+    weight publishing, and its state as a checkpoint takes it."""
+
+    config: TrainerConfig
+    dist: DistEnv
+    device: torch.device
+    transformer: torch.nn.Module
+    engine: RolloutEngine
+    local_engine: RolloutEngine
+    learner: Learner
+    data: PromptSampler
+    rollout: RolloutScorer
+    rewards: WeightedRewards
+    step: int
+    preflight_report: PreflightReport | None
+
+    def publish_weights(self, version: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class PreflightError(RuntimeError):
@@ -221,7 +253,7 @@ def lora_targets_error(
     )
 
 
-def check_lora_targets(trainer: Trainer) -> CheckResult:
+def check_lora_targets(trainer: PreflightTarget) -> CheckResult:
     targets = trainer.config.lora.target_modules
     counts = lora_target_counts(trainer.transformer, targets)
     blocks = {k: v for k, v in counts.items() if k != "(outside blocks)"}
@@ -253,7 +285,7 @@ def check_lora_targets(trainer: Trainer) -> CheckResult:
 
 
 # ---- the probe ---------------------------------------------------------------------------------------
-def _probe_records(trainer: Trainer) -> tuple[list, int]:
+def _probe_records(trainer: PreflightTarget) -> tuple[list, int]:
     """This rank's first prompts of the first batch (the data position is put back), and the group offset."""
     state = trainer.data.state_dict()
     records = trainer.data.next_batch()
@@ -263,11 +295,11 @@ def _probe_records(trainer: Trainer) -> tuple[list, int]:
     return mine, lo
 
 
-def _probe_steps(trainer: Trainer) -> int:
+def _probe_steps(trainer: PreflightTarget) -> int:
     return max(1, min(PROBE_STEPS, trainer.config.sampler.num_steps))
 
 
-def probe_request(trainer: Trainer, records: list, group_offset: int) -> RolloutRequest:
+def probe_request(trainer: PreflightTarget, records: list, group_offset: int) -> RolloutRequest:
     """The training request shape at the configured size, with few steps and a one-step window inside."""
     s = trainer.config.sampler
     steps = _probe_steps(trainer)
@@ -284,7 +316,7 @@ def probe_request(trainer: Trainer, records: list, group_offset: int) -> Rollout
     )
 
 
-def check_reward_spread(trainer: Trainer, traj: Trajectory, records: list, n: int) -> CheckResult:
+def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: list, n: int) -> CheckResult:
     dist = trainer.dist
     scores = trainer.rewards(
         traj.images,
@@ -342,7 +374,7 @@ def check_reward_spread(trainer: Trainer, traj: Trajectory, records: list, n: in
     return CheckResult("reward_spread", True, numbers, detail)
 
 
-def check_ratio_and_gradients(trainer: Trainer, traj: Trajectory) -> tuple[CheckResult, CheckResult]:
+def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tuple[CheckResult, CheckResult]:
     """One forward with grad per micro-batch of the probe's window step, one backward: the recomputed
     log-prob against the rollout's, and the gradient reaching every adapted module."""
     learner, dist, device = trainer.learner, trainer.dist, trainer.device
@@ -446,7 +478,7 @@ def _summarize(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def check_weight_sync(trainer: Trainer, records: list) -> CheckResult:
+def check_weight_sync(trainer: PreflightTarget, records: list) -> CheckResult:
     """Perturb every ``lora_B``, publish, roll out the deterministic probe; restore, publish, roll out again."""
     engine, dist = trainer.engine, trainer.dist
     if not isinstance(engine, RelabelableEngine):
@@ -530,68 +562,33 @@ def check_weight_sync(trainer: Trainer, records: list) -> CheckResult:
 
 
 # ---- the whole preflight -----------------------------------------------------------------------------
-@dataclass
-class _Saved:
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
-    rng: dict[str, torch.Tensor]
-    data: dict[str, int]
-    ema: dict[str, torch.Tensor] | None
-    ema_dict: Any
-    gathered: Any
-    version: Any
-    sync_log: Any
-    stats: Any
-    forwards: dict[str, int]
-    phase: str
-    counters: dict[str, int]
+def _copied(state: Any) -> Any:
+    """``state`` with every tensor cloned: a snapshot that later in-place updates cannot reach."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_copied(v) for v in state)
+    return copy.deepcopy(state)
 
 
-def _save(trainer: Trainer) -> _Saved:
-    learner, engine = trainer.learner, trainer.engine
-    return _Saved(
-        params=[local_tensor(p.detach()).clone() for p in learner.params],
-        grads=[p.grad for p in learner.params],
-        rng=ckpt.rng_state(),
-        data=trainer.data.state_dict(),
-        ema=None if learner.ema is None else {k: v.clone() for k, v in learner.ema.items()},
-        ema_dict=learner.ema,
-        gathered=trainer._gathered,
-        version=engine.weights_version if isinstance(engine, RelabelableEngine) else None,
-        sync_log=list(engine.sync_log) if isinstance(engine, RelabelableEngine) else [],
-        stats=copy.deepcopy(engine.stats.__dict__) if hasattr(engine, "stats") else None,
-        forwards=dict(trainer.forwards.counts),
-        phase=trainer.forwards.phase,
-        counters=dict(learner.counters),
-    )
+def _snapshot(trainer: PreflightTarget) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The trainer's state (as a checkpoint takes it) and the engine's run-time state."""
+    engine = trainer.engine
+    with trainer.dist.collective("preflight: snapshot"):
+        state = _copied(trainer.state_dict())
+    return state, engine.state_dict() if isinstance(engine, RelabelableEngine) else None
 
 
-def _restore(trainer: Trainer, s: _Saved) -> None:
-    learner, engine = trainer.learner, trainer.engine
-    with torch.no_grad():
-        torch._foreach_copy_([local_tensor(p.detach()) for p in learner.params], s.params)
-    for p, g in zip(learner.params, s.grads):
-        p.grad = g
-    ckpt.set_rng_state(s.rng)
-    trainer.data.load_state_dict(s.data)
-    if s.ema is not None:  # back into the original tensors (update_ema works in place)
-        learner.ema = s.ema_dict
-        for k, v in s.ema.items():
-            s.ema_dict[k].copy_(v)
-    trainer._gathered = s.gathered
-    if isinstance(engine, RelabelableEngine) and s.version is not None:
-        engine.relabel(s.version)  # the weights are back (re-synced under a newer number): so is the label
-        engine.sync_log[:] = s.sync_log
-    if s.stats is not None:
-        engine.stats.__dict__.update(s.stats)
-    trainer.forwards.counts.clear()
-    trainer.forwards.counts.update(s.forwards)
-    trainer.forwards.phase = s.phase
-    learner.counters.clear()
-    learner.counters.update(s.counters)
+def _put_back(trainer: PreflightTarget, saved: tuple[dict[str, Any], dict[str, Any] | None]) -> None:
+    state, engine_state = saved
+    trainer.load_state_dict(_copied(state))  # the snapshot stays intact for a second put-back
+    if engine_state is not None:  # the weights are back (re-synced under a newer number): so is the label
+        trainer.engine.load_state_dict(engine_state)
 
 
-def preflight_due(trainer: Trainer) -> bool:
+def preflight_due(trainer: PreflightTarget) -> bool:
     """Whether a run starts with the preflight: ``preflight`` on, a fresh run (step 0), not run yet.
 
     On several ranks every rank runs the same probe (its collectives are named like the step's);
@@ -600,7 +597,7 @@ def preflight_due(trainer: Trainer) -> bool:
     return bool(trainer.config.preflight and trainer.step == 0 and trainer.preflight_report is None)
 
 
-def run_preflight(trainer: Trainer, *, raise_on_failure: bool = True) -> PreflightReport:
+def run_preflight(trainer: PreflightTarget, *, raise_on_failure: bool = True) -> PreflightReport:
     """Run every check on a probe batch; put the trainer back exactly as it was.
 
     Returns the report (also logged); with ``raise_on_failure`` the first failed check raises its
@@ -628,7 +625,7 @@ def run_preflight(trainer: Trainer, *, raise_on_failure: bool = True) -> Preflig
         return out
 
     attempt("lora_targets", lambda: check_lora_targets(trainer))
-    saved = _save(trainer)
+    saved = _snapshot(trainer)
     try:
         records, offset = _probe_records(trainer)
         request = probe_request(trainer, records, offset)
@@ -639,10 +636,10 @@ def run_preflight(trainer: Trainer, *, raise_on_failure: bool = True) -> Preflig
             attempt("on_policy_ratio", lambda: check_ratio_and_gradients(trainer, traj))
         else:
             report.checks.append(CheckResult("on_policy_ratio", None, {}, "sampler.num_steps=1: no window"))
-        _restore(trainer, saved)  # no gradient is left for the sync check
+        _put_back(trainer, saved)  # no gradient is left for the sync check
         attempt("weight_sync", lambda: check_weight_sync(trainer, records))
     finally:
-        _restore(trainer, saved)
+        _put_back(trainer, saved)
     report.seconds = time.perf_counter() - t0
     if trainer.dist.is_main:
         logger.info("%s", report.render())

@@ -210,7 +210,7 @@ def sample(
     from boogu_data import PromptRecord
     from boogu_trainer.distributed import resolve_device
     from boogu_trainer.evaluation import deterministic_request
-    from boogu_trainer.loop import load_base_parts
+    from boogu_trainer.models import load_base_parts
 
     config = run_config(folder, device)
     trained = None if lora == "none" else read_lora(folder, lora)
@@ -435,7 +435,7 @@ def merge_to(
     from safetensors.torch import load_file, save_file
 
     from boogu_data.atomic import commit_folder, stage_folder
-    from boogu_trainer.loop import base_model_path
+    from boogu_trainer.models import base_model_path
 
     config = run_config(folder, "cpu")
     trained = read_lora(folder, lora)
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = resolve_checkpoint(ns.checkpoint)
         reference = read_reference(ns.image) if ns.image else None
         # Every output folder is checked before anything is written: a refusal leaves nothing behind.
-        from boogu_trainer.loop import base_model_path
+        from boogu_trainer.models import base_model_path
 
         protected = protected_folders(folder, base_model_path(run_config(folder, "cpu")))
         targets = [

@@ -1,0 +1,98 @@
+"""Building the models a run uses: the base model from ``model.*``, and the policy (base + LoRA).
+
+One module for the trainer, ``plan`` and ``boogu-sample``, so that a run, its memory plan and its
+samples load the same weights in the same dtype:
+
+* `load_base_parts`: the base model folder (``model.path``, or the tiny checkpoint), in
+  ``model.dtype`` on the run's device;
+* `prepare_policy`: the frozen base with the LoRA of ``lora.*`` (float32 master weights, products in
+  the activations' dtype), gradient checkpointing and regional compile as ``model.*`` says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from boogu_adapters.loading import BooguParts, load_boogu
+from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype, is_lora_param
+from boogu_trainer.config import TrainerConfig, resolved_model_dtype
+from boogu_trainer.preflight import lora_targets_error
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """``model.dtype`` on ``device``: 'auto' is bfloat16 on CUDA and float32 elsewhere."""
+    return DTYPES[resolved_model_dtype(spec, device.type)]
+
+
+def enable_tf32(config: TrainerConfig, device: torch.device) -> None:
+    """TF32 for the float32 matmuls and convolutions left on CUDA (``model.tf32``)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = config.model.tf32
+        torch.backends.cudnn.allow_tf32 = config.model.tf32
+
+
+def base_model_path(config: TrainerConfig) -> Path:
+    """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
+    if config.model.path:
+        return Path(config.model.path).expanduser()
+    from boogu_adapters.tiny import ensure_tiny_checkpoint
+
+    return Path(ensure_tiny_checkpoint(Path(config.model.tiny_path).expanduser()))
+
+
+def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
+    """The run's base model (no LoRA), in ``model.dtype`` on ``device``."""
+    m = config.model
+    return load_boogu(
+        base_model_path(config),
+        transformer=m.transformer,
+        trust_remote_code=m.trust_remote_code,
+        dtype=resolve_dtype(m.dtype, device),
+        device=device,
+    )
+
+
+def prepare_policy(transformer: torch.nn.Module, config: TrainerConfig) -> torch.nn.Module:
+    """Freeze the base, add the LoRA of ``lora.*`` (seeded by ``seed``), then gradient checkpointing and
+    regional compile from ``model.*``; returns ``transformer`` (changed in place)."""
+    for p in transformer.parameters():
+        p.requires_grad_(False)
+    lora = config.lora
+    try:
+        add_lora(
+            transformer,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            target_modules=lora.target_modules,
+            init_lora_weights=True if lora.init == "default" else "gaussian",
+            seed=config.seed,
+        )
+    except ValueError as e:  # no module matched: the preflight's named stop, whatever preflight says
+        error = lora_targets_error(transformer, lora.target_modules, e)
+        if error is None:
+            raise
+        raise error from e
+    # float32 master weights for the adapters even when the base runs in bf16; their products run in
+    # the activations' dtype (bf16 on GPU), like the base layers'.
+    for name, p in transformer.named_parameters():
+        if is_lora_param(name):
+            p.data = p.data.float()
+    compute_lora_in_input_dtype(transformer)
+    checkpointing = config.model.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = transformer.config.hidden_size >= 1024
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if config.model.compile:
+        if not hasattr(transformer, "enable_regional_compile"):
+            raise ValueError(
+                f"model.compile=true needs the native transformer (model.transformer=native), "
+                f"got {type(transformer).__name__}"
+            )
+        # Per block, after LoRA and checkpointing and before FSDP: keys and hooks stay as they are.
+        transformer.enable_regional_compile(bucket=config.model.compile_bucket)
+    return transformer
