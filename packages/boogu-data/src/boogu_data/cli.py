@@ -5,10 +5,11 @@
     boogu-data convert-ocr --input-dir ~/data/ocr --output-dir ~/data/ocr/boogu_image
     boogu-data convert-edit-ocr --input-dir ~/data/ocr_edit --output-dir ~/data/ocr_edit/boogu_image
     boogu-data inspect ~/data/ocr/boogu_image/train.parquet
+    boogu-data scenes --output-dir ~/data/scenes --seed 0 --size 64 --count 2000
 
 Exit status: 0 on success, 1 when the input is invalid (the message names file, line or row, and
-column) or the output cannot be written (a file in the way, no permission, disk full), 2 for a bad
-command line. Notes on stderr say when an existing output was replaced and when temporaries left by
+column) or the output cannot be written (a file in the way, no permission, disk full, a non-empty
+folder that is not an earlier output of the same command), 2 for a bad command line. Notes on stderr say when an existing output was replaced and when temporaries left by
 a killed conversion were removed.
 """
 
@@ -29,6 +30,7 @@ from boogu_data.convert import DEFAULT_IMAGE_SIZE, ConversionReport, convert_edi
 from boogu_data.errors import DatasetError
 from boogu_data.read import dataset_files, read_records
 from boogu_data.record import PromptRecord
+from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, write_scenes
 from boogu_data.schema import SCHEMA_VERSION_KEY
 
 __all__ = ["build_parser", "main"]
@@ -75,6 +77,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("path", type=Path, metavar="FILE", help="a parquet file, or a folder of them")
     inspect.add_argument("--rows", type=int, default=3, help="rows to print (default %(default)s)")
+
+    scenes = commands.add_parser(
+        "scenes",
+        help="procedural shape scenes with GenEval-style captions -> {train,val,test}.parquet + images/",
+        description="Seeded scenes of 1-4 coloured shapes (boogu_data.scenes); val and test hold out "
+        "colour-shape pairs (green square; blue triangle, yellow circle). The caption is the prompt, "
+        "the scene spec (JSON) the ground truth, the rendered target images/<split>/<index>.png.",
+    )
+    scenes.add_argument(
+        "--output-dir", "--output_dir", type=Path, required=True, help="a new or empty folder"
+    )
+    scenes.add_argument("--seed", type=int, default=0, help="seed of all three splits (default %(default)s)")
+    scenes.add_argument(
+        "--size",
+        type=int,
+        default=DEFAULT_SIZE,
+        help="image side: a multiple of 16 from 32 (default %(default)s)",
+    )
+    for split, flag in (("train", "--count"), ("val", "--val-count"), ("test", "--test-count")):
+        scenes.add_argument(
+            flag,
+            flag.replace("-count", "_count") if split != "train" else flag,
+            dest=f"{split}_count",
+            type=int,
+            default=DEFAULT_COUNTS[split],
+            help=f"{split} rows (default %(default)s)",
+        )
+    scenes.add_argument("--no-images", action="store_true", help="write the parquet files only")
+    scenes.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier `boogu-data scenes` output in --output-dir",
+    )
     return parser
 
 
@@ -122,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ValueError as error:  # argument ranges: a usage error, exit status 2
                 parser.error(str(error))
             _print_report(report)
+        elif args.command == "scenes":
+            return _scenes(args)
         else:
             return _inspect(args.path.expanduser(), args.rows)
     except DatasetError as error:
@@ -142,6 +179,29 @@ def _print_report(report: ConversionReport) -> None:
             print(f"  skipped: {reason}")
         if split.skipped > len(split.skip_reasons):
             print(f"  ... and {split.skipped - len(split.skip_reasons)} more")
+
+
+def _scenes(args: argparse.Namespace) -> int:
+    try:
+        report = write_scenes(
+            args.output_dir,
+            seed=args.seed,
+            size=args.size,
+            counts={"train": args.train_count, "val": args.val_count, "test": args.test_count},
+            images=not args.no_images,
+            overwrite=args.overwrite,
+        )
+    except DatasetError:
+        raise
+    except ValueError as error:  # argument ranges: a usage error, one line, exit status 2
+        print(f"boogu-data scenes: error: {error}", file=sys.stderr)
+        return 2
+    if report.replaced:
+        print(f"boogu-data: note: replaced the earlier output in {report.output_dir}", file=sys.stderr)
+    for split, rows in report.rows.items():
+        images = f" + {report.output_dir / 'images' / split}/*.png" if report.images else ""
+        print(f"{split}: {rows} scenes -> {report.output_dir / f'{split}.parquet'}{images}")
+    return 0
 
 
 def _inspect(path: Path, rows: int) -> int:

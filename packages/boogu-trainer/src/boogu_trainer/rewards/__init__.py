@@ -24,6 +24,9 @@
   ``demo_target_color``       closeness of the mean colour to a target (demo only) [0, 1]
   ``demo_contrast``           std of the pixel values over 127.5 (demo only)       [0, 1]
   ``demo_sky``                top-over-bottom brightness, 0.5 if equal (demo only) [0, 1]
+  ``scene_exact``             GenEval-style: the image shows exactly what its       {0, 1}
+                              procedural-scene caption names (boogu_data.scenes)
+  ``scene_dense``             the fraction of the caption's clauses that hold       [0, 1]
   ==========================  ===================================================  =========
 
   ``ocr`` and ``vlm_ocr`` share `TranscriptionReward` (the scoring) and differ only in how they
@@ -35,7 +38,7 @@
 * `ocr_text_score`: the reference's OCR score formula on strings.
 """
 
-# Importing the built-in reward modules (demo, http, jpeg, ocr, vlm) registers their rewards.
+# Importing the built-in reward modules (demo, http, jpeg, ocr, scene, vlm) registers their rewards.
 from boogu_trainer.rewards import clip  # noqa: F401 (registers the CLIP-family rewards; loads transformers lazily)
 from boogu_trainer.rewards.base import (
     OnError,
@@ -63,6 +66,7 @@ from boogu_trainer.rewards.registry import (
     register_reward,
     validate_reward_spec,
 )
+from boogu_trainer.rewards.scene import SceneReward, detect_objects, scene_dense, scene_exact
 from boogu_trainer.rewards.text_score import fold_text, levenshtein, ocr_text_score
 from boogu_trainer.rewards.vlm import VlmOcrReward
 
@@ -77,6 +81,7 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "RewardOutput",
+    "SceneReward",
     "SkyReward",
     "TargetColorReward",
     "TranscriptionReward",
@@ -86,6 +91,7 @@ __all__ = [
     "build_reward",
     "build_rewards",
     "check_batch",
+    "detect_objects",
     "fold_text",
     "images_to_numpy",
     "jpeg_compressibility",
@@ -96,5 +102,7 @@ __all__ = [
     "ocr_engine",
     "ocr_text_score",
     "register_reward",
+    "scene_dense",
+    "scene_exact",
     "validate_reward_spec",
 ]

@@ -1,0 +1,243 @@
+"""Procedural scenes (boogu_data.scenes): captions, splits, rendering and the `boogu-data scenes` command."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from boogu_data import read_records
+from boogu_data.cli import main
+from boogu_data.scenes import (
+    BACKGROUND,
+    COLOURS,
+    MARKER,
+    PALETTE,
+    SHAPES,
+    TEST_PAIRS,
+    VAL_PAIRS,
+    ParsedCaption,
+    Phrase,
+    Scene,
+    SceneObject,
+    generate_scenes,
+    parse_caption,
+    render,
+    render_png,
+    split_of,
+    write_scenes,
+)
+
+SMALL = {"train": 16, "val": 4, "test": 4}
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_same_seed_same_bytes_other_seed_other_scenes(tmp_path: Path) -> None:
+    write_scenes(tmp_path / "a", seed=3, counts=SMALL)
+    write_scenes(tmp_path / "b", seed=3, counts=SMALL)
+    write_scenes(tmp_path / "c", seed=4, counts=SMALL)
+    a, b, c = (_digests(tmp_path / name) for name in "abc")
+    assert len(a) == 3 + 1 + sum(SMALL.values()), "three parquet files, the marker and one PNG per row"
+    assert a == b
+    assert a["train.parquet"] != c["train.parquet"]
+
+
+def test_splits_hold_out_the_documented_pairs() -> None:
+    scenes = {split: generate_scenes(0, split, 400) for split in ("train", "val", "test")}
+    pairs = {split: set().union(*(s.pairs() for s in found)) for split, found in scenes.items()}
+    assert not pairs["train"] & (VAL_PAIRS | TEST_PAIRS), "no held-out pair in train"
+    assert not pairs["val"] & TEST_PAIRS
+    assert all(s.pairs() & VAL_PAIRS for s in scenes["val"])
+    assert all(s.pairs() & TEST_PAIRS for s in scenes["test"])
+    assert all(split_of(s) == split for split, found in scenes.items() for s in found)
+    captions = {split: {s.caption() for s in found} for split, found in scenes.items()}
+    assert (
+        not captions["train"] & (captions["val"] | captions["test"])
+        and not captions["val"] & captions["test"]
+    )
+    # The held-out pairs' colours and shapes are all seen in training, in other pairs.
+    assert {c for c, _ in pairs["train"]} == set(COLOURS) and {s for _, s in pairs["train"]} == set(SHAPES)
+    assert len(pairs["train"]) == len(COLOURS) * len(SHAPES) - len(VAL_PAIRS | TEST_PAIRS)
+    tags = Counter(s.tag for s in scenes["train"])
+    assert set(tags) == {"single_object", "two_object", "counting", "position"}
+    assert {len(s.objects) for s in scenes["train"]} == {1, 2, 3, 4}
+
+
+def test_captions_parse_back_to_their_scene() -> None:
+    for scene in generate_scenes(1, "train", 300) + generate_scenes(1, "test", 100):
+        parsed = parse_caption(scene.caption())
+        asked = Counter({(p.colour, p.shape): p.count for p in parsed.phrases})
+        assert asked == Counter((o.colour, o.shape) for o in scene.objects), scene.caption()
+        assert parsed.relation == scene.relation
+        assert Scene.from_json(scene.to_json()) == scene
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a red circle", ParsedCaption((Phrase("red", "circle"),))),
+        ("A photo of a Red Circle.", ParsedCaption((Phrase("red", "circle"),))),
+        ("four yellow squares", ParsedCaption((Phrase("yellow", "square", 4),))),
+        ("3 blue triangles", ParsedCaption((Phrase("blue", "triangle", 3),))),
+        (
+            "a red circle to the left of a blue square",
+            ParsedCaption((Phrase("red", "circle"), Phrase("blue", "square")), "left of"),
+        ),
+        (
+            "a green triangle below a green circle",
+            ParsedCaption((Phrase("green", "triangle"), Phrase("green", "circle")), "below"),
+        ),
+        (
+            "a red circle, a blue square and a red circle",
+            ParsedCaption((Phrase("red", "circle", 2), Phrase("blue", "square"))),
+        ),
+    ],
+)
+def test_parse_caption_forms(text: str, expected: ParsedCaption) -> None:
+    assert parse_caption(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "a sign that says OPEN",
+        "a purple circle",
+        "a red hexagon",
+        "five red circles",
+        "a red circle left of a red circle",
+        "red circle",
+    ],
+)
+def test_parse_caption_refuses_other_text(text: str) -> None:
+    with pytest.raises(ValueError, match="not a scene caption"):
+        parse_caption(text)
+
+
+@pytest.mark.parametrize("size", [64, 128, 48])
+def test_render_draws_each_object_in_its_colour_at_its_place(size: int) -> None:
+    for scene in generate_scenes(2, "train", 50):
+        image = render(scene, size)
+        assert image.size == (size, size) and image.mode == "RGB"
+        for obj in scene.objects:
+            # The centre of the bounding box is inside every shape (a triangle is half as wide there).
+            assert (
+                image.getpixel((int(obj.centre[0] * size), int(obj.centre[1] * size))) == PALETTE[obj.colour]
+            )
+        assert image.getpixel((0, 0)) == BACKGROUND and image.getpixel((size - 1, size - 1)) == BACKGROUND
+        colours = {rgb for _, rgb in image.getcolors()}
+        assert colours == {BACKGROUND} | {PALETTE[o.colour] for o in scene.objects}, "hard edges only"
+
+
+def test_scene_checks_its_fields() -> None:
+    red = SceneObject("circle", "red", (0.5, 0.5), 0.25)
+    with pytest.raises(ValueError, match="shape must be one of"):
+        SceneObject("hexagon", "red", (0.5, 0.5), 0.25)
+    with pytest.raises(ValueError, match="colour must be one of"):
+        SceneObject("circle", "purple", (0.5, 0.5), 0.25)
+    with pytest.raises(ValueError, match="single_object scene has 1 object"):
+        Scene("single_object", (red, red))
+    with pytest.raises(ValueError, match="relation is given for position scenes only"):
+        Scene("position", (red, SceneObject("square", "blue", (0.1, 0.1), 0.2)))
+    with pytest.raises(ValueError, match="one colour and shape"):
+        Scene("counting", (red, SceneObject("square", "red", (0.1, 0.1), 0.2)))
+
+
+def test_scenes_command_writes_records_and_images(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "scenes"
+    argv = [
+        "scenes",
+        "--output-dir",
+        str(out),
+        "--seed",
+        "1",
+        "--count",
+        "12",
+        "--val-count",
+        "3",
+        "--test-count",
+        "4",
+    ]
+    assert main([*argv, "--size", "128"]) == 0
+    assert "train: 12 scenes" in capsys.readouterr().out
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["command"] == "boogu-data scenes" and marker["size"] == 128 and marker["seed"] == 1
+    assert marker["held_out"] == {
+        "val": [["green", "square"]],
+        "test": [["blue", "triangle"], ["yellow", "circle"]],
+    }
+    for split, rows in (("train", 12), ("val", 3), ("test", 4)):
+        records = list(read_records(out / f"{split}.parquet"))
+        assert len(records) == rows and [r.index for r in records] == list(range(rows))
+        for record in records:
+            scene = Scene.from_json(record.ground_truth)
+            assert record.instruction == scene.caption() and record.split == split == split_of(scene)
+            assert (
+                record.data_source == "boogu/scenes"
+                and record.ability == scene.tag
+                and record.ref_image is None
+            )
+            png = (out / "images" / split / f"{record.index:05d}.png").read_bytes()
+            assert png == render_png(scene, 128)
+            with Image.open(io.BytesIO(png)) as image:
+                assert image.size == (128, 128)
+
+
+def test_scenes_command_refuses_bad_arguments_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "o")
+    for extra, message in (
+        (["--size", "50"], "--size must be a multiple of 16 from 32 to 2048, got 50"),
+        (["--size", "16"], "--size must be a multiple of 16 from 32 to 2048, got 16"),
+        (["--count", "0"], "--count must be an int >= 1, got 0"),
+        (["--test-count", "-1"], "--test-count must be an int >= 1, got -1"),
+        (["--seed", "-2"], "--seed must be an int >= 0, got -2"),
+    ):
+        assert main(["scenes", "--output-dir", out, *extra]) == 2
+        assert capsys.readouterr().err == f"boogu-data scenes: error: {message}\n"
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit) as caught:
+        main(["scenes", "--output-dir", out, "--size", "big"])
+    assert caught.value.code == 2
+
+
+def test_scenes_command_replaces_only_its_own_earlier_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o"
+    argv = ["scenes", "--output-dir", str(out), "--count", "4", "--val-count", "1", "--test-count", "1"]
+    assert main(argv) == 0
+    first = _digests(out)
+    assert main([*argv, "--seed", "5"]) == 1, "a non-empty folder needs --overwrite"
+    assert "is not empty" in capsys.readouterr().err and _digests(out) == first
+    assert main([*argv, "--seed", "5", "--overwrite", "--no-images"]) == 0
+    assert "replaced the earlier output" in capsys.readouterr().err
+    assert not (out / "images").exists() and _digests(out)["train.parquet"] != first["train.parquet"]
+    (out / "notes.txt").write_text("mine")
+    assert main([*argv, "--overwrite"]) == 1
+    assert "notes.txt, which `boogu-data scenes` does not write" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.txt").write_text("keep")
+    assert main(["scenes", "--output-dir", str(other), "--overwrite"]) == 1
+    assert "not an earlier `boogu-data scenes` output" in capsys.readouterr().err
+    assert [p.name for p in other.iterdir()] == ["data.txt"]
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["scenes", "--output-dir", str(blocker)]) == 1
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "o", "other"], "no temporary is left"
