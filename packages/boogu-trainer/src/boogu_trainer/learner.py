@@ -457,7 +457,9 @@ class Learner:
         if self.config.ema.enabled:
             if ema is None:
                 raise ValueError("ema.enabled=true but the checkpoint has no EMA weights")
-            self.ema = {k: v.to(self.device, torch.float32, copy=True) for k, v in ema.items()}  # never aliased
+            self.ema = {
+                k: v.to(self.device, torch.float32, copy=True) for k, v in ema.items()
+            }  # never aliased
         self.counters = defaultdict(int, counters)
         self.old_is_current = not self.counters.get("old_lags", 0)
 
