@@ -1,43 +1,33 @@
-"""The trainer's configuration: one typed, validated dataclass per component, nested.
+"""The trainer's config sections: one typed, validated dataclass per component, nested in `TrainerConfig`.
 
-Recipes are YAML files of these sections; ``a.b=c`` overrides on the command line go on top, and
-``${...}`` interpolations (OmegaConf's) in either are resolved before anything is validated. The
-dataclasses are OmegaConf structured configs: OmegaConf checks the types (and ``Literal`` choices)
-as each value is set, :func:`load_config` names the full dotted key of anything wrong, and each
-``__post_init__`` checks the values, so a loaded config has passed every check the trainer makes.
+Each section checks its own values in ``__post_init__``; `TrainerConfig` also checks how its
+sections fit together (a setting that another setting makes meaningless is refused), so a config
+object that exists has passed every check that needs nothing but the config. The rules that need
+more (the world size, which keys the user gave) are in :mod:`boogu_trainer.config.checks`.
 
-Every field carries a one-line docstring (shown by ``trainer --help`` and in the README). The
-defaults are the reference recipe's values for the real model (docs/reference-integration.md §6);
-the demo (``trainer`` with no arguments) starts from :func:`demo_config`.
+Every field carries a one-line docstring (shown by ``trainer --help`` and in the README, see
+:mod:`boogu_trainer.config.reference`). The defaults are the reference recipe's values for the real
+model (docs/reference-integration.md §6); the demo (``trainer`` with no arguments) starts from
+:func:`demo_config`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import functools
-import inspect
-import itertools
-import json
 import math
 import re
-import textwrap
-import types
-import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.types import OutputSizeError, check_output_size
 from boogu_schedule import WindowPlan
 from boogu_schedule.window import WindowPlanError
+from boogu_trainer.config.fields import field_hints
 
 
 class ConfigError(ValueError):
@@ -115,6 +105,13 @@ class ModelConfig:
             "'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
         _check(self.compile_bucket >= 1, "model.compile_bucket", self.compile_bucket, ">= 1")
+
+
+def resolved_model_dtype(spec: str, device_type: str) -> str:
+    """``model.dtype`` as run on a device of this type: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
+    if spec != "auto":
+        return spec
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -749,64 +746,17 @@ class TrainerConfig:
         return Path(self.logging.run_dir).expanduser() / self.logging.name
 
 
-def check_world_layout(config: TrainerConfig, world_size: int) -> None:
-    """Refuse a batch layout on ``world_size`` ranks whose update differs from the same recipe on one rank.
+@functools.cache
+def _config_keys() -> frozenset[str]:
+    """Every dotted key and section name of `TrainerConfig`."""
 
-    Each rank rolls out a contiguous share of ``data.prompts_per_step`` groups, and the learner puts
-    a group in mini-batch ``global index % mini_batches``, weighting each of a rank's rows by one over
-    that rank's rows in the mini-batch; FSDP then averages the gradients over the ranks. That mean
-    is the one-rank mini-batch mean only when every rank holds the same number of each mini-batch's
-    groups, i.e. when ``mini_batches`` divides the groups per rank (a rank with fewer groups than
-    mini-batches also makes fewer optimizer steps, and ranks with unequal shares run different
-    numbers of micro-batches, whose FSDP collectives then do not pair up). Raises `ConfigError`.
-    """
-    if world_size <= 1:
-        return
-    groups = config.data.prompts_per_step
-    if groups % world_size:
-        raise ConfigError(
-            f"data.prompts_per_step={groups} over {world_size} ranks: expected a multiple of {world_size} "
-            "(each rank rolls out an equal share of the prompt groups)"
-        )
-    per_rank = groups // world_size
-    mini_batches = config.algorithm.mini_batches
-    if per_rank % mini_batches:
-        allowed = ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0)
-        raise ConfigError(
-            f"algorithm.mini_batches={mini_batches} with data.prompts_per_step={groups} over {world_size} "
-            f"ranks ({per_rank} groups per rank): expected algorithm.mini_batches to divide the groups per "
-            f"rank (one of {allowed}), or data.prompts_per_step a multiple of {world_size * mini_batches} "
-            f"({world_size} ranks x {mini_batches} mini-batches); otherwise the ranks hold unequal shares "
-            "of a mini-batch and the update differs from the same recipe on one rank"
-        )
+    def walk(cls: type, prefix: str) -> Iterable[str]:
+        for name, tp in field_hints(cls).items():
+            yield prefix + name
+            if dataclasses.is_dataclass(tp):
+                yield from walk(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
 
-
-RESUME_FREE_KEYS: tuple[str, ...] = (
-    "total_steps",
-    "resume",
-    "resume_allow_changes",
-    "logging",
-    "checkpoint",
-    "eval",
-    "distributed.timeout_s",
-    "perf",
-    "preflight",
-    "model.compile",
-    "model.compile_bucket",
-    "rollout.micro_batch_size",
-    "algorithm.train_micro_batch_size",
-)
-"""Keys (and sections) that may differ from a checkpoint's config on resume: they do not change the past."""
-
-RESUME_NOT_BITWISE_KEYS: tuple[str, ...] = (
-    "model.compile",
-    "model.compile_bucket",
-    "rollout.micro_batch_size",
-    "algorithm.train_micro_batch_size",
-)
-"""Of `RESUME_FREE_KEYS`, those that change how the same numbers are computed (batch split, kernels):
-the run goes on as its recipe says, but float rounding differs (~1e-8), so it is no longer bitwise
-equal to an uninterrupted run. A resume that changes one says so."""
+    return frozenset(walk(TrainerConfig, ""))
 
 
 def demo_config() -> TrainerConfig:
@@ -832,392 +782,3 @@ def demo_config() -> TrainerConfig:
         total_steps=30,
         seed=0,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading: OmegaConf does the YAML, the dot-lists, the type checks and the interpolation; the
-# walk below sets one key at a time so that every error names its full dotted key (OmegaConf
-# leaves the key out of tuple-length errors and out of errors inside list items, and keeps the
-# items of a tuple[Dataclass, ...] untyped, so reward.rewards items are typed here).
-
-
-def load_config(
-    recipe: str | Path | None = None, overrides: list[str] | None = None, base: TrainerConfig | None = None
-) -> TrainerConfig:
-    """Defaults (or ``base``), then the YAML recipe, then ``a.b=c`` overrides; ``${...}`` resolved,
-    then validated as a whole. Raises `ConfigError` naming the dotted key."""
-    node = _writable(OmegaConf.structured(TrainerConfig if base is None else base))
-    given: set[str] = set()  # the dotted keys the recipe and the overrides set
-    if recipe is not None:
-        data = _read_recipe(recipe)
-        given |= set(_leaves(data))
-        _set_section(node, TrainerConfig, data, "")
-    for text in overrides or []:
-        data = _parse_override(text)
-        given |= set(_leaves(data))
-        _set_section(node, TrainerConfig, data, "")
-    _resolve(node, TrainerConfig, "")
-    try:
-        config = OmegaConf.to_object(node)  # builds the frozen dataclasses: __post_init__ validates
-    except ConfigError:
-        raise
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key or 'config'}: {_reason(e)}") from None
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    check_ignored_settings(config, given)
-    return config
-
-
-FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = ("algorithm.clip_range", "algorithm.kl_kind")
-"""Settings of flow_grpo's policy-ratio loss that diffusion_nft and awm do not read."""
-
-
-def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
-    """Refuse a setting the recipe or the overrides give (``given``: dotted keys) that the chosen
-    algorithm would ignore without a word. A value inherited from the defaults or a ``base`` config
-    (the demo's clip_range) is not the user's choice and passes."""
-    name = config.algorithm.name
-    if name == "flow_grpo":
-        return
-    for key in FLOW_GRPO_ONLY_KEYS:
-        if key in given:
-            value = getattr(config.algorithm, key.rpartition(".")[2])
-            own = (
-                " (awm's own clip is algorithm.awm.clip_range)"
-                if (name, key) == ("awm", "algorithm.clip_range")
-                else ""
-            )
-            raise ConfigError(
-                f"{key}={value!r} with algorithm.name={name!r}: it belongs to flow_grpo's policy-ratio loss, "
-                f"which {name} does not use (its KL term is the velocity MSE weighted by "
-                f"algorithm.kl_coef); remove {key} from the recipe and overrides{own}"
-            )
-
-
-def _read_recipe(path: str | Path) -> dict[str, Any]:
-    try:
-        loaded = OmegaConf.load(Path(path))  # OmegaConf's YAML: 1e-4 is a float, not YAML 1.1's string
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the recipe ({e.strerror})") from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{path}: {_reason(e)}") from None
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
-    return OmegaConf.to_container(loaded, resolve=False)  # type: ignore[return-value]
-
-
-def _parse_override(text: str) -> dict[str, Any]:
-    """``a.b=c`` -> ``{"a": {"b": c}}``, c read as OmegaConf reads dot-lists (interpolations kept)."""
-    key, sep, raw = text.partition("=")
-    if not sep:
-        raise ConfigError(f"override {text!r}: expected key=value (e.g. optim.lr=1e-4)")
-    parts = key.split(".")
-    if not all(parts):
-        raise ConfigError(f"override {text!r}: bad key")
-    value: Any = ""
-    if raw:
-        try:
-            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={raw}"]), resolve=False)["value"]
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {text!r}: cannot parse the value ({e})") from None
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"override {text!r}: {_reason(e)}") from None
-    for part in reversed(parts):
-        value = {part: value}
-    return value
-
-
-def _set_section(node: DictConfig, cls: type, data: Mapping[Any, Any], prefix: str) -> None:
-    """Set each key of ``data`` on the structured ``node`` of dataclass ``cls``."""
-    hints = _hints(cls)
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if name not in hints:
-            close = difflib.get_close_matches(str(name), hints, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}; allowed here: {', '.join(hints)}")
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{key}={value!r}: expected a section (a mapping of {key}.* keys)")
-            _set_section(node[name], tp, value, f"{key}.")
-        else:
-            _set_value(node, name, tp, value, key)
-
-
-def _set_value(node: DictConfig, name: str, tp: Any, value: Any, key: str) -> None:
-    shown = value
-    record = _record_type(tp)
-    if record is not None:
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}={value!r}: expected a list of mappings of {', '.join(_hints(record))}")
-        value = [_record(record, item, f"{key}[{i}]") for i, item in enumerate(value)]
-    elif not _strict_scalar_ok(value, tp):
-        raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
-    try:
-        OmegaConf.update(node, name, value, merge=False)  # converts, checks against the annotation
-    except OmegaConfBaseException:
-        raise ConfigError(f"{key}={shown!r}: expected {_type_name(tp)}") from None
-
-
-def _record(cls: type, data: Any, key: str) -> DictConfig:
-    """One typed item of a ``tuple[Dataclass, ...]`` field."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{key}={data!r}: expected a mapping of {', '.join(_hints(cls))}")
-    item = _writable(OmegaConf.structured(cls))
-    _set_section(item, cls, data, f"{key}.")
-    return item
-
-
-def _strict_scalar_ok(value: Any, tp: Any) -> bool:
-    """False for a non-bool in a bool field or a non-string in a str field: OmegaConf would turn
-    2 into True and 1e3 into '1000.0', silently."""
-    if value is None or _is_interpolation(value):
-        return True
-    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    kinds = [a for a in args if a is not type(None)]
-    if kinds == [bool]:
-        return isinstance(value, bool)
-    if kinds == [str]:
-        return isinstance(value, str)
-    return True
-
-
-def _is_interpolation(value: Any) -> bool:
-    return isinstance(value, str) and "${" in value
-
-
-def _resolve(node: DictConfig, cls: type, prefix: str) -> None:
-    """Resolve every ``${...}`` (checked against its field's type), errors naming the key."""
-    for name, tp in _hints(cls).items():
-        key = f"{prefix}{name}"
-        record = _record_type(tp)
-        if dataclasses.is_dataclass(tp):
-            _resolve(node[name], tp, f"{key}.")
-        elif record is not None:
-            for i, item in enumerate(node[name]):
-                _resolve(item, record, f"{key}[{i}].")
-        else:
-            try:
-                value = node[name]
-                if OmegaConf.is_config(value):
-                    OmegaConf.to_container(value, resolve=True)
-            except OmegaConfBaseException as e:
-                raw = OmegaConf.to_container(node, resolve=False)[name]  # type: ignore[index]
-                raise ConfigError(f"{key}={raw!r}: {_reason(e)}") from None
-
-
-def _reason(e: OmegaConfBaseException) -> str:
-    """OmegaConf's message without its 'full_key: ...' trailer."""
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def _writable(node: Any) -> Any:
-    """Clear the read-only flags OmegaConf sets for frozen dataclasses (the objects stay frozen)."""
-    OmegaConf.set_readonly(node, None)
-    for child in node.values() if isinstance(node, DictConfig) else node:
-        if OmegaConf.is_config(child):
-            _writable(child)
-    return node
-
-
-def _record_type(tp: Any) -> type | None:
-    """``X`` for a ``tuple[X, ...]`` annotation whose items are dataclasses, else None."""
-    args = typing.get_args(tp)
-    if (
-        typing.get_origin(tp) is tuple
-        and len(args) == 2
-        and args[1] is Ellipsis
-        and dataclasses.is_dataclass(args[0])
-    ):
-        return args[0]  # type: ignore[return-value]
-    return None
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """Field name -> resolved annotation, in field order."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain data, resume comparison and the reference.
-
-
-def config_to_dict(config: TrainerConfig) -> dict[str, Any]:
-    """Plain YAML-able data: nested dicts, lists (not tuples), numbers, strings, null."""
-    return _plain(config)
-
-
-def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
-    return obj
-
-
-def config_changes(
-    old: Mapping[str, Any], new: Mapping[str, Any], allowed: Iterable[str] = ()
-) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, old value, new value)`` for every leaf of ``new`` that differs from ``old``,
-    except keys under `RESUME_FREE_KEYS` or ``allowed`` (``optim`` covers ``optim.lr``).
-
-    Both are `config_to_dict` outputs (``old`` read back from a checkpoint's config.yaml). A key
-    that ``old`` lacks because this version added it compares as its default (so it is unchanged
-    when ``new`` keeps the default); a key only ``old`` has (removed since) is not reported, since
-    this version cannot honour it either way. Lists, ``reward.rewards`` included, compare whole.
-    """
-    skip = (*RESUME_FREE_KEYS, *allowed)
-    before = _leaves(_with_defaults(old, TrainerConfig))
-    after = _leaves(_with_defaults(new, TrainerConfig))
-    return [
-        (key, before.get(key), value)
-        for key, value in after.items()
-        if not any(key == p or key.startswith(f"{p}.") for p in skip)
-        and _resolved(key, before.get(key)) != _resolved(key, value)
-    ]
-
-
-def resume_not_bitwise_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, old value, new value)`` for each key of `RESUME_NOT_BITWISE_KEYS` that differs."""
-    before = _leaves(_with_defaults(old, TrainerConfig))
-    after = _leaves(_with_defaults(new, TrainerConfig))
-    return [
-        (key, before.get(key), value)
-        for key, value in after.items()
-        if any(key == p or key.startswith(f"{p}.") for p in RESUME_NOT_BITWISE_KEYS)
-        and before.get(key) != value
-    ]
-
-
-def resolved_model_dtype(spec: str, device_type: str) -> str:
-    """``model.dtype`` as run on a device of this type: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
-    if spec != "auto":
-        return spec
-    return "bfloat16" if device_type == "cuda" else "float32"
-
-
-def _resolved(key: str, value: Any) -> Any:
-    # 'auto' and the dtype it stands for on this machine are the same run (a v0.2 checkpoint says
-    # float32 where this version's default says auto).
-    if key == "model.dtype" and isinstance(value, str):
-        import torch
-
-        return resolved_model_dtype(value, "cuda" if torch.cuda.is_available() else "cpu")
-    return value
-
-
-def _with_defaults(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
-    """``data`` with the fields of ``cls`` it lacks (also inside reward.rewards items) at their defaults."""
-    out = dict(data)
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        value = out.get(f.name)
-        record = _record_type(tp)
-        if f.name not in out:
-            out[f.name] = _plain(_default(f))
-        elif dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
-            out[f.name] = _with_defaults(value, tp)  # type: ignore[arg-type]
-        elif record is not None and isinstance(value, list):
-            out[f.name] = [_with_defaults(v, record) if isinstance(v, Mapping) else v for v in value]
-    return out
-
-
-def _default(f: dataclasses.Field[Any]) -> Any:
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
-
-
-def _leaves(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        if isinstance(v, Mapping):
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-@functools.cache
-def _config_keys() -> frozenset[str]:
-    """Every dotted key and section name of `TrainerConfig`."""
-
-    def walk(cls: type, prefix: str) -> Iterable[str]:
-        for name, tp in _hints(cls).items():
-            yield prefix + name
-            if dataclasses.is_dataclass(tp):
-                yield from walk(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
-
-    return frozenset(walk(TrainerConfig, ""))
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def describe(cls: type | None = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """Rows ``(dotted key, type, default as JSON, doc)`` of every field of ``cls`` (default
-    `TrainerConfig`), depth first; a section's row has type ``"section"``."""
-    cls = TrainerConfig if cls is None else cls
-    rows = []
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = _hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows.append((key, "section", "", docs.get(f.name, "")))
-            rows.extend(describe(tp, f"{key}."))  # type: ignore[arg-type]
-            continue
-        rows.append((key, _type_name(tp), json.dumps(_plain(_default(f))), docs.get(f.name, "")))
-    return rows
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin is not None:
-        args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(tp))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def config_reference_markdown() -> str:
-    """The config reference table (for ``--help`` and the README), from the field docstrings."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, tp, default, doc in describe():
-        doc = doc.replace("|", "\\|")  # a bare | would end the table cell
-        if tp == "section":
-            lines.append(f"| **`{key}`** | | | {doc} |")
-        else:
-            bar = "\\|"
-            lines.append(f"| `{key}` | {tp.replace('|', bar)} | `{default.replace('|', bar)}` | {doc} |")
-    return "\n".join(lines)

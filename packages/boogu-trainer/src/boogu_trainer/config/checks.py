@@ -1,0 +1,73 @@
+"""Rules that need more than the config itself, so `TrainerConfig` cannot check them when it is built.
+
+- `check_world_layout`: the batch layout on ``world_size`` ranks (the world size is known at launch).
+- `check_ignored_settings`: a setting the recipe or the overrides give that the chosen algorithm
+  would ignore (only the loader knows which keys the user gave; a base's inherited value passes).
+
+Each section's own rules are in its ``__post_init__``, and the rules between sections in
+`TrainerConfig.__post_init__` (:mod:`boogu_trainer.config.sections`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from boogu_trainer.config.sections import ConfigError, TrainerConfig
+
+
+def check_world_layout(config: TrainerConfig, world_size: int) -> None:
+    """Refuse a batch layout on ``world_size`` ranks whose update differs from the same recipe on one rank.
+
+    Each rank rolls out a contiguous share of ``data.prompts_per_step`` groups, and the learner puts
+    a group in mini-batch ``global index % mini_batches``, weighting each of a rank's rows by one over
+    that rank's rows in the mini-batch; FSDP then averages the gradients over the ranks. That mean
+    is the one-rank mini-batch mean only when every rank holds the same number of each mini-batch's
+    groups, i.e. when ``mini_batches`` divides the groups per rank (a rank with fewer groups than
+    mini-batches also makes fewer optimizer steps, and ranks with unequal shares run different
+    numbers of micro-batches, whose FSDP collectives then do not pair up). Raises `ConfigError`.
+    """
+    if world_size <= 1:
+        return
+    groups = config.data.prompts_per_step
+    if groups % world_size:
+        raise ConfigError(
+            f"data.prompts_per_step={groups} over {world_size} ranks: expected a multiple of {world_size} "
+            "(each rank rolls out an equal share of the prompt groups)"
+        )
+    per_rank = groups // world_size
+    mini_batches = config.algorithm.mini_batches
+    if per_rank % mini_batches:
+        allowed = ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0)
+        raise ConfigError(
+            f"algorithm.mini_batches={mini_batches} with data.prompts_per_step={groups} over {world_size} "
+            f"ranks ({per_rank} groups per rank): expected algorithm.mini_batches to divide the groups per "
+            f"rank (one of {allowed}), or data.prompts_per_step a multiple of {world_size * mini_batches} "
+            f"({world_size} ranks x {mini_batches} mini-batches); otherwise the ranks hold unequal shares "
+            "of a mini-batch and the update differs from the same recipe on one rank"
+        )
+
+
+FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = ("algorithm.clip_range", "algorithm.kl_kind")
+"""Settings of flow_grpo's policy-ratio loss that diffusion_nft and awm do not read."""
+
+
+def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
+    """Refuse a setting the recipe or the overrides give (``given``: dotted keys) that the chosen
+    algorithm would ignore without a word. A value inherited from the defaults or a ``base`` config
+    (the demo's clip_range) is not the user's choice and passes."""
+    name = config.algorithm.name
+    if name == "flow_grpo":
+        return
+    for key in FLOW_GRPO_ONLY_KEYS:
+        if key in given:
+            value = getattr(config.algorithm, key.rpartition(".")[2])
+            own = (
+                " (awm's own clip is algorithm.awm.clip_range)"
+                if (name, key) == ("awm", "algorithm.clip_range")
+                else ""
+            )
+            raise ConfigError(
+                f"{key}={value!r} with algorithm.name={name!r}: it belongs to flow_grpo's policy-ratio loss, "
+                f"which {name} does not use (its KL term is the velocity MSE weighted by "
+                f"algorithm.kl_coef); remove {key} from the recipe and overrides{own}"
+            )
