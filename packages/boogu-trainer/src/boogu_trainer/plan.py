@@ -464,13 +464,10 @@ def plan_memory(
 
     # A layout the trainer refuses at start-up has no plan (and the groups per rank below assume it).
     check_world_layout(config, world_size)
-    m = config.model
-    if m.path:
-        root = Path(m.path).expanduser()
-    else:
-        from boogu_adapters.tiny import ensure_tiny_checkpoint
+    from boogu_trainer.models import base_model_path
 
-        root = Path(ensure_tiny_checkpoint(Path(m.tiny_path).expanduser()))
+    m = config.model
+    root = base_model_path(config)
     if device_type is None:
         device_type = "cpu" if m.device == "cpu" else "cuda"
     dtype_name = resolved_model_dtype(m.dtype, device_type)
