@@ -36,7 +36,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.types import OutputSizeError, check_output_size
-from boogu_schedule import WindowPlan
+from boogu_protocol import MAX_SEQUENCE_LENGTH, resolve_device_type, resolve_dtype_name
+from boogu_schedule import WindowPlan, uses_cfg
 from boogu_schedule.window import WindowPlanError
 
 
@@ -101,7 +102,7 @@ class ModelConfig:
     """'auto' (cuda if available), 'cpu' or 'cuda[:i]'."""
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward; null turns it on for models with hidden size >= 1024."""
-    max_sequence_length: int = 1280
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH
     """Prompt token cap (upstream's default); longer prompts are an error, never silently cut."""
     edit_vlm_view: Literal["upstream", "processor"] = "upstream"
     """An edit reference's VLM copy: resized to 384² first as upstream does, or as is (the reference's)."""
@@ -693,7 +694,7 @@ class TrainerConfig:
             levels = self.sampler.num_steps
             wanted = opts.timesteps if opts.timesteps is not None else levels - 1  # NFT's null: all but one
             _check(wanted <= levels, f"{key}.timesteps", opts.timesteps, f"<= sampler.num_steps ({levels})")
-        if opts is not None and opts.guided and self.sampler.guidance_scale <= 1.0:
+        if opts is not None and opts.guided and not uses_cfg(self.sampler.guidance_scale):
             raise ConfigError(
                 f"{key}.guided=true trains the CFG-guided velocity, but "
                 f"sampler.guidance_scale={self.sampler.guidance_scale} rolls out without CFG; "
@@ -1099,18 +1100,14 @@ def resume_not_bitwise_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -
 
 def resolved_model_dtype(spec: str, device_type: str) -> str:
     """``model.dtype`` as run on a device of this type: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
-    if spec != "auto":
-        return spec
-    return "bfloat16" if device_type == "cuda" else "float32"
+    return resolve_dtype_name(spec, device_type)
 
 
 def _resolved(key: str, value: Any) -> Any:
     # 'auto' and the dtype it stands for on this machine are the same run (a v0.2 checkpoint says
     # float32 where this version's default says auto).
     if key == "model.dtype" and isinstance(value, str):
-        import torch
-
-        return resolved_model_dtype(value, "cuda" if torch.cuda.is_available() else "cpu")
+        return resolved_model_dtype(value, resolve_device_type("auto"))
     return value
 
 

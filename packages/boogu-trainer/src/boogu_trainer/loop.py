@@ -33,7 +33,13 @@ import yaml
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import BooguParts, load_boogu
-from boogu_adapters.lora import LoraMismatchError, add_lora, compute_lora_in_input_dtype, is_lora_param
+from boogu_adapters.lora import (
+    LoraMismatchError,
+    add_lora,
+    compute_lora_in_input_dtype,
+    is_lora_param,
+    peft_sync_config,
+)
 from boogu_adapters.rollout import RolloutEngine
 from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
@@ -61,6 +67,7 @@ from boogu_trainer.metrics import (
     sample_grid,
 )
 from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf, unwrap_transformer
+from boogu_trainer.plan import gradient_checkpointing_on
 from boogu_trainer.preflight import PreflightReport, lora_targets_error, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.rollout import RolloutScorer, ScoredBatch
@@ -238,10 +245,7 @@ class Trainer:
             if is_lora_param(name):
                 p.data = p.data.float()
         compute_lora_in_input_dtype(transformer)
-        checkpointing = cfg.model.gradient_checkpointing
-        if checkpointing is None:
-            checkpointing = transformer.config.hidden_size >= 1024
-        if checkpointing:
+        if gradient_checkpointing_on(cfg.model.gradient_checkpointing, transformer.config.hidden_size):
             transformer.enable_gradient_checkpointing()
         if cfg.model.compile:
             if not hasattr(transformer, "enable_regional_compile"):
@@ -282,11 +286,7 @@ class Trainer:
             startup_timeout_s=v.startup_timeout_s,
             request_timeout_s=v.request_timeout_s,
             log_path=log_path,
-            peft_config={
-                "r": cfg.lora.rank,
-                "lora_alpha": cfg.lora.alpha,
-                "target_modules": list(cfg.lora.target_modules),
-            },
+            peft_config=peft_sync_config(cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules),
             micro_batch_size=cfg.rollout.micro_batch_size,
         )
 

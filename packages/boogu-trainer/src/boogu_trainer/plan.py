@@ -40,11 +40,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from boogu_schedule import uses_cfg
+
 __all__ = [
     "LiveBytes",
     "MemoryPlan",
     "PhaseMemory",
     "fused_attention_stand_in",
+    "gradient_checkpointing_on",
     "plan_memory",
     "train_micro_batch_rows",
     "transformer_activation_bytes",
@@ -54,6 +57,18 @@ __all__ = [
 GiB = 1024**3
 DEFAULT_TEXT_TOKENS = 256
 """Instruction tokens assumed per prompt (chat template included) when a recipe does not say."""
+CHECKPOINTING_MIN_HIDDEN_SIZE = 1024
+"""``model.gradient_checkpointing: null`` turns checkpointing on from this hidden size up."""
+
+
+def gradient_checkpointing_on(setting: bool | None, hidden_size: int) -> bool:
+    """Whether a transformer of ``hidden_size`` trains with gradient checkpointing under
+    ``model.gradient_checkpointing`` (``setting``): true or false as given; null (the default) on for
+    hidden sizes >= 1024 (the released model; the tiny test models stay off). The one rule for the
+    trainer (``Trainer._prepare_transformer``) and the memory plan."""
+    if setting is not None:
+        return bool(setting)
+    return hidden_size >= CHECKPOINTING_MIN_HIDDEN_SIZE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -454,12 +469,15 @@ def plan_memory(
 
     Reads only the checkpoint folders' ``config.json`` files (the tiny checkpoint is built first when
     ``model.path`` is empty). ``device_type`` resolves ``model.dtype=auto`` (bfloat16 on cuda);
-    default: cpu when ``model.device`` is cpu, else cuda. ``reference_images``: reference images per
+    default: the type of ``model.device`` as the trainer resolves it on this machine
+    (``boogu_protocol.resolve_device_type``: ``auto`` is cuda when CUDA is available, else cpu; plan a
+    GPU run from a machine without one with ``model.device=cuda``). ``reference_images``: reference images per
     prompt (edit data), each at the output size: their tokens join every transformer call.
     Rollout micro-batches count latents (x2 sample-forwards with CFG batched), training ones samples
     (x2 with CFG).
     """
     from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
+    from boogu_protocol import resolve_device_type
     from boogu_trainer.config import check_world_layout, resolved_model_dtype
 
     # A layout the trainer refuses at start-up has no plan (and the groups per rank below assume it).
@@ -472,14 +490,12 @@ def plan_memory(
 
         root = Path(ensure_tiny_checkpoint(Path(m.tiny_path).expanduser()))
     if device_type is None:
-        device_type = "cpu" if m.device == "cpu" else "cuda"
+        device_type = resolve_device_type(m.device)
     dtype_name = resolved_model_dtype(m.dtype, device_type)
     dtype = getattr(torch, dtype_name)
     nbytes = torch.tensor([], dtype=dtype).element_size()
     tcfg, vcfg, mcfg, folder_note = _folder_configs(root)
-    checkpointing = m.gradient_checkpointing
-    if checkpointing is None:
-        checkpointing = int(tcfg.get("hidden_size", 0)) >= 1024
+    checkpointing = gradient_checkpointing_on(m.gradient_checkpointing, int(tcfg.get("hidden_size", 0)))
     shard = world_size if (world_size > 1 and config.distributed.fsdp) else 1
 
     rank, targets = config.lora.rank, config.lora.target_modules
@@ -506,7 +522,7 @@ def plan_memory(
     s = config.sampler
     p = int(tcfg.get("patch_size", 2))
     grid = (s.height // 8 // p, s.width // 8 // p)
-    cfg_rows = 2 if s.guidance_scale > 1.0 and config.rollout.cfg_mode == "batched" else 1
+    cfg_rows = 2 if uses_cfg(s.guidance_scale) and config.rollout.cfg_mode == "batched" else 1
     a = config.algorithm
     opts = a.forward_options
     # NFT and AWM train the conditional velocity unless `guided` (then both CFG rows, as flow_grpo)
