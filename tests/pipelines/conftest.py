@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import boogu_adapters.step as step_mod
 import boogu_schedule.sampling as sampling_mod
 from boogu_data import PromptRecord
 
@@ -86,9 +85,10 @@ class StepRecorder:
 
 @pytest.fixture
 def step_recorder(monkeypatch):
-    """Wraps ``sde_step`` where the rollout and the shared step function call it."""
+    """Wraps ``sde_step`` where ``boogu_schedule.sampling.sde_transition`` calls it: the one place the
+    rollout loop and the training step function (``boogu_adapters.step.transition``) reach it."""
     recorder = StepRecorder()
-    real = step_mod.sde_step
+    real = sampling_mod.sde_step
 
     def recording(
         sampler, sample, velocity, sigma, sigma_next, noise_level, generator=None, prev_sample=None, **kw
@@ -106,7 +106,6 @@ def step_recorder(monkeypatch):
         )
         return real(sampler, sample, velocity, sigma, sigma_next, noise_level, generator, prev_sample, **kw)
 
-    monkeypatch.setattr(step_mod, "sde_step", recording)
     monkeypatch.setattr(sampling_mod, "sde_step", recording)
     return recorder
 

@@ -71,3 +71,19 @@ def test_image_guidance_alone(xs, ig):
     cond, drop_image = xs
     expected = cond.double() + (ig - 1) * (cond.double() - drop_image.double())
     torch.testing.assert_close(image_guidance(cond, drop_image, ig).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@example(g=1.0)
+@example(g=0.0)
+@given(g=scales)
+def test_uses_cfg_is_the_predicate_text_cfg_applies(g):
+    # One predicate for "CFG is on": exactly the scales at which text_cfg needs the negative.
+    from boogu_schedule import uses_cfg
+
+    assert uses_cfg(g) == (g != 1.0)
+    pos = torch.tensor([2.0, 4.0])
+    if uses_cfg(g):
+        with pytest.raises(ValueError, match="needs a negative"):
+            text_cfg(pos, None, g)
+    else:
+        assert text_cfg(pos, None, g) is pos

@@ -214,3 +214,22 @@ def test_resume_refuses_a_changed_past_unless_opted_in(tmp_path):
     with pytest.raises(CheckpointError, match="seed") as err:
         check_resume_config(saved, partly, tmp_path)
     assert "optim.lr" not in str(err.value)
+
+
+def test_a_checkpoint_fsyncs_each_file_exactly_once(tmp_path, monkeypatch):
+    # One home for durability: `boogu_data.atomic.commit_folder` fsyncs the staged files; the writer
+    # does not fsync them a second time. A second fsync loop coming back fails here.
+    synced: dict[str, int] = {}
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isfile(path):
+            name = os.path.basename(path)
+            synced[name] = synced.get(name, 0) + 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    folder = checkpointer(config(tmp_path), "a").save(1, contents(1.0, "a"))
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    assert sorted(synced) == files and set(synced.values()) == {1}, synced

@@ -24,6 +24,7 @@ from boogu_adapters.loading import BooguParts
 from boogu_adapters.model import get_freqs_cis
 from boogu_adapters.rollout import LocalRolloutEngine
 from boogu_adapters.step import CfgMode
+from boogu_protocol import MAX_SEQUENCE_LENGTH
 from boogu_schedule.sampling import reference_generator
 
 ROPE_THETA = 10000.0
@@ -43,7 +44,7 @@ class QwenPromptEncoder:
         text_encoder,
         processor,
         *,
-        max_sequence_length: int = 1280,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         num_feature_layers: int = 1,
         vlm_view: VlmView = "upstream",
     ):
@@ -148,7 +149,7 @@ def build_local_engine(
     parts: BooguParts,
     *,
     transformer: torch.nn.Module | None = None,
-    max_sequence_length: int = 1280,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     cfg_mode: CfgMode = "batched",
     device: torch.device | str | None = None,
     edit_vlm_view: VlmView = "upstream",

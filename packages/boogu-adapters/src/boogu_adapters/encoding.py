@@ -34,6 +34,8 @@ import torch
 from PIL import Image
 
 from boogu_data import build_messages
+from boogu_protocol import MAX_SEQUENCE_LENGTH
+from boogu_schedule.sampling import output_size
 
 __all__ = [
     "DEFAULT_MAX_SEQUENCE_LENGTH",
@@ -59,8 +61,9 @@ __all__ = [
     "vlm_image_sizes",
 ]
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 1280
-"""Upstream ``__call__``'s ``max_sequence_length``; it only matters with ``truncate=True``."""
+DEFAULT_MAX_SEQUENCE_LENGTH = MAX_SEQUENCE_LENGTH
+"""Upstream ``__call__``'s ``max_sequence_length`` (``boogu_protocol.MAX_SEQUENCE_LENGTH``, which the
+rollout worker encodes with too); it only matters with ``truncate=True``."""
 MAX_REFERENCE_PIXELS = 2048 * 2048
 """Upstream's ``max_input_image_pixels`` default: the area cap of reference images and outputs."""
 MAX_REFERENCE_SIDE = 4096
@@ -369,15 +372,16 @@ def resolve_output_size(
     With ``reference_latents`` (an edit) the output follows the reference: its VAE-preprocessed
     size, ``latent shape * vae_scale_factor``; the requested size is ignored, as upstream does
     with ``align_res=True``. Otherwise the request (default 1024²) is clamped by area to
-    ``max_pixels`` and floored to multiples of 16; the side cap is not applied here, as upstream.
+    ``max_pixels`` and floored to multiples of 16; the side cap is not applied here, as upstream
+    (``boogu_schedule.sampling.output_size``, the rule both rollout engines apply).
     """
+    references = ()
     if reference_latents is not None:
-        return int(reference_latents.shape[-2]) * vae_scale_factor, int(
-            reference_latents.shape[-1]
-        ) * vae_scale_factor
+        h, w = int(reference_latents.shape[-2]), int(reference_latents.shape[-1])
+        references = ((h * vae_scale_factor, w * vae_scale_factor),)
     height = DEFAULT_SIZE if height is None else height
     width = DEFAULT_SIZE if width is None else width
-    return fit_size(height, width, max_pixels=max_pixels, max_side_length=None)
+    return output_size(height, width, references, max_pixels=max_pixels)
 
 
 def preprocess_reference_image(

@@ -12,8 +12,9 @@ This module is the one place for LoRA key conventions. Three spellings of one te
 * peft file key: ``base_model.model.blocks.0.attn.to_q.lora_A.weight`` (``adapter_model.safetensors``,
   what ``PeftModel.from_pretrained`` reads).
 
-Use `is_lora_param`, `lora_file_key`, `to_peft_keys` / `from_peft_keys` and `adapter_config`
-instead of spelling them out. Whether a saved LoRA fits a model is decided here too, once, for the
+Use `is_lora_param`, `is_lora_b`, `lora_file_key`, `lora_module` / `lora_pair_keys`,
+`to_peft_keys` / `from_peft_keys`, `DIFFUSERS_PREFIX`, `peft_sync_config` and `adapter_config` instead
+of spelling them out. Whether a saved LoRA fits a model is decided here too, once, for the
 trainer's resume and for ``boogu-sample`` (sampling and ``--merge-to``): `check_lora_state`.
 """
 
@@ -27,14 +28,17 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model,
 from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 
 from boogu_adapters.model import LORA_TARGET_MODULES
+
+# The prefixes and the fingerprint come from the wire format: the rollout worker (another environment)
+# strips the same prefixes and computes the same fingerprint.
+from boogu_protocol import DIFFUSERS_PREFIX as DIFFUSERS_PREFIX
+from boogu_protocol import PEFT_PREFIX as PEFT_PREFIX
 from boogu_protocol import lora_fingerprint as lora_fingerprint  # one algorithm on both sides of a sync
 
 ADAPTER_NAME = "default"
 """peft's adapter name for the one adapter this project trains."""
 LORA_MARKER = "lora_"
 """Every LoRA parameter name contains this (``lora_A``, ``lora_B``); base parameters never do."""
-PEFT_PREFIX = "base_model.model."
-"""What peft's ``PeftModel`` puts before the module path in ``adapter_model.safetensors``."""
 
 
 def is_lora_param(name: str) -> bool:
@@ -45,6 +49,27 @@ def is_lora_param(name: str) -> bool:
 def lora_file_key(param_name: str) -> str:
     """``...lora_A.default.weight`` (parameter name) -> ``...lora_A.weight`` (file key)."""
     return param_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def is_lora_b(name: str) -> bool:
+    """Whether a parameter name or file key is a ``lora_B`` tensor (the up projection, zero at init)."""
+    return f".{LORA_MARKER}B." in name
+
+
+def lora_module(key: str) -> str:
+    """``<module path>.lora_A.weight`` (a file key or a parameter name) -> ``<module path>``."""
+    return key.split(f".{LORA_MARKER}")[0]
+
+
+def lora_pair_keys(module: str) -> tuple[str, str]:
+    """The file keys of ``module``'s ``lora_A`` and ``lora_B`` weights."""
+    return f"{module}.{LORA_MARKER}A.weight", f"{module}.{LORA_MARKER}B.weight"
+
+
+def peft_sync_config(rank: int, alpha: float, target_modules: Sequence[str]) -> dict:
+    """The peft ``LoraConfig`` fields a rollout engine rebuilds the adapter from (``r``, ``lora_alpha``,
+    ``target_modules``), as `add_lora` builds its ``LoraConfig`` from the same settings."""
+    return {"r": rank, "lora_alpha": alpha, "target_modules": list(target_modules)}
 
 
 def lora_file_keys(module: torch.nn.Module) -> set[str]:
@@ -116,11 +141,7 @@ def add_lora(
     so the adapted model starts exactly at the base model. ``seed`` makes the ``lora_A`` draw repeatable.
     """
     config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=list(target_modules),
-        init_lora_weights=init_lora_weights,
-        bias="none",
+        **peft_sync_config(rank, alpha, target_modules), init_lora_weights=init_lora_weights, bias="none"
     )
     devices = [p.device for p in transformer.parameters()][:1]
     fork = (

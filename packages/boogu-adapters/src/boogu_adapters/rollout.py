@@ -33,8 +33,15 @@ from boogu_adapters.lora import (
 from boogu_adapters.step import CfgMode, boogu_velocity, forwards_per_step
 from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
 from boogu_data import PromptRecord
-from boogu_schedule import BooguScheduleConfig, boogu_sigmas
-from boogu_schedule.sampling import dedupe, draw_windows, group_generators, initial_noise, sample_windowed
+from boogu_schedule import BooguScheduleConfig, boogu_sigmas, uses_cfg
+from boogu_schedule.sampling import (
+    dedupe,
+    draw_windows,
+    group_generators,
+    initial_noise,
+    output_size,
+    sample_windowed,
+)
 
 
 @runtime_checkable
@@ -326,7 +333,7 @@ class LocalRolloutEngine(EngineBookkeeping):
             self.stats.prompts_encoded += len(unique)
             sample_rows = torch.tensor(idx, device=hidden.device).repeat_interleave(group_size)
             neg_hidden = neg_mask = neg_lengths = None
-            if guidance_scale != 1.0:
+            if uses_cfg(guidance_scale):
                 # Negatives are encoded text-only (upstream use_input_images_4_neg_instruct=False).
                 negs, neg_idx = dedupe([r.negative for r in records])
                 nh, nm = self.encode_prompts(negs, None)
@@ -368,15 +375,13 @@ class LocalRolloutEngine(EngineBookkeeping):
             if self.codec
             else set()
         )
-        if len(sizes) > 1:
-            raise ValueError(f"edit rows of one request must share a reference size, got {sorted(sizes)}")
-        return sizes.pop() if sizes else (request.height, request.width)
+        return output_size(request.height, request.width, sizes)
 
     # ---- the denoising loop --------------------------------------------------------------------
     def _calls_per_step(self, batch: int, guidance_scale: float) -> int:
         mb = self.micro_batch_size or batch
         chunks = -(-batch // mb)
-        return chunks * (1 if (guidance_scale == 1.0 or self.cfg_mode == "batched") else 2)
+        return chunks * (2 if (uses_cfg(guidance_scale) and self.cfg_mode != "batched") else 1)
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> Trajectory:

@@ -1,12 +1,15 @@
 """The one per-step function that the rollout and the training adapter both call.
 
 Rollout and training must compute the same numbers for the same weights, or the importance ratio
-is not 1 on-policy and the clip fires on noise. Both go through :func:`transition`:
+is not 1 on-policy and the clip fires on noise. Both compose the same two functions: the local
+rollout's loop (``boogu_schedule.sampling.sample_windowed``) calls :func:`boogu_velocity` and then
+``boogu_schedule.sampling.sde_transition`` per step; the training recomputation calls
+:func:`transition`, which is exactly those two:
 
 1. the transformer gets the latent in its own dtype and Boogu time ``t = 1 - sigma``;
-2. text CFG combines the Boogu velocities (``x0 - eps``) in float32;
-3. the result is negated exactly once (``eps - x0``);
-4. ``boogu_schedule.sde_step`` runs in float32 on the float32 latent.
+2. text CFG combines the Boogu velocities (``x0 - eps``) in float32 (:func:`boogu_velocity`);
+3. the result is negated exactly once (``eps - x0``) and
+4. ``boogu_schedule.sde_step`` runs in float32 on the float32 latent (3 and 4: ``sde_transition``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Literal
 import torch
 
 from boogu_adapters.types import Conditioning
-from boogu_schedule import Sampler, SdeStep, boogu_time, sde_step, text_cfg, to_sde_velocity
+from boogu_schedule import Sampler, SdeStep, boogu_time, text_cfg, uses_cfg
+from boogu_schedule.sampling import sde_transition
 
 CfgMode = Literal["batched", "sequential"]
 
@@ -118,7 +122,7 @@ def boogu_velocity(
     t = boogu_time(sigma).to(dtype)  # (B,) Boogu time: 0 = noise, 1 = data
     hidden = cond.hidden_states.to(dtype)
     refs = _ref_inputs(cond.ref_latents, dtype)
-    use_cfg = guidance_scale != 1.0
+    use_cfg = uses_cfg(guidance_scale)
     if use_cfg and cond.negative_hidden_states is None:
         raise ValueError(
             f"guidance_scale={guidance_scale} needs negative prompt features; the conditioning has none"
@@ -172,10 +176,10 @@ def transition(
 ) -> SdeStep:
     """One denoising step ``sigma -> sigma_next`` (both (B,) float32) through the model and the SDE."""
     v_boogu = boogu_velocity(transformer, latents, sigma, cond, guidance_scale, freqs_cis, cfg_mode=cfg_mode)
-    velocity = to_sde_velocity(v_boogu)  # the one negation: Boogu's x0 - eps -> eps - x0
-    return sde_step(sampler, latents, velocity, sigma, sigma_next, noise_level, generator, prev_sample)
+    # The rollout loop's own transition (negation + step), so the recomputed log-prob is the rollout's.
+    return sde_transition(sampler, latents, v_boogu, sigma, sigma_next, noise_level, generator, prev_sample)
 
 
 def forwards_per_step(batch_size: int, guidance_scale: float) -> int:
     """Transformer sample-forwards one step costs."""
-    return batch_size * (1 if guidance_scale == 1.0 else 2)
+    return batch_size * (2 if uses_cfg(guidance_scale) else 1)

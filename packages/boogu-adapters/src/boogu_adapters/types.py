@@ -14,10 +14,7 @@ import torch
 
 from boogu_data import PromptRecord
 from boogu_schedule import Sampler, WindowPlan
-from boogu_schedule.sampling import host_tensor
-
-MAX_PIXELS = 2048 * 2048
-"""Upstream's output-area cap (an edit reference is scaled down to it)."""
+from boogu_schedule.sampling import MAX_OUTPUT_PIXELS, OUTPUT_SIZE_MULTIPLE, host_tensor
 
 
 class OutputSizeError(ValueError):
@@ -29,11 +26,12 @@ class OutputSizeError(ValueError):
 
 
 def check_output_size(height: int, width: int) -> None:
-    """The one rule for output sizes: both sides positive multiples of 16, area at most 2048^2."""
+    """The sizes a config or request may ask for: both sides positive multiples of 16, area at most
+    2048^2, exactly the fixed points of ``boogu_schedule.sampling.output_size`` (the size generated)."""
     for name, value in (("height", height), ("width", width)):
-        if value < 16 or value % 16:
+        if value < OUTPUT_SIZE_MULTIPLE or value % OUTPUT_SIZE_MULTIPLE:
             raise OutputSizeError(name, f"{name} must be a positive multiple of 16, got {value}")
-    if height * width > MAX_PIXELS:
+    if height * width > MAX_OUTPUT_PIXELS:
         raise OutputSizeError("height*width", f"{height}x{width} exceeds the 2048^2 pixel cap")
 
 

@@ -42,10 +42,11 @@ from boogu_protocol import (
     GroupSpec,
     ProtocolError,
     RolloutSpec,
-    bytes_tensor,
     checkpoint_identity,
     lora_fingerprint,
     pack,
+    ref_latent_key,
+    reference_tensors,
     unpack,
 )
 
@@ -345,7 +346,7 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
             decode=request.decode,
             micro_batch_size=self.micro_batch_size,
         )
-        return spec, {f"ref_image.{i}": bytes_tensor(data) for data, i in images.items()}
+        return spec, reference_tensors({i: data for data, i in images.items()})
 
     def generate(self, request: RolloutRequest) -> Trajectory:
         if not request.records:
@@ -389,7 +390,7 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
         refs = None
         ref_rows = out["ref_rows"].tolist()
         if any(r >= 0 for r in ref_rows):
-            latent = {r: out[f"ref_latent.{r}"].to(dev) for r in set(ref_rows) if r >= 0}
+            latent = {r: out[ref_latent_key(r)].to(dev) for r in set(ref_rows) if r >= 0}
             refs = tuple(None if r < 0 else latent[r] for r in ref_rows for _ in range(n))
         cond = Conditioning(
             hidden_states=out["hidden_states"][prompt_rows].to(dev),

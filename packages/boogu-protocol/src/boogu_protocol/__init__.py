@@ -15,8 +15,10 @@ Endpoints (HTTP/1.1 on the worker, ``rollout.vllm.url``):
   restarts the version count at ``version`` (a trainer connecting); ``{"version", "relabel": true}``
   keeps the weights and calls them ``version`` (a trainer that put back earlier weights).
 * ``POST /generate`` with a :class:`RolloutSpec` (``meta["spec"]``) and the reference images
-  (``ref_image.{i}``, uint8 bytes of the encoded file) -> the trajectory tensors (see
-  ``docs/vllm-omni.md``) and ``{"window", "weights_version", "lora_fingerprint", "nfe", "timings"}``.
+  (``ref_image.{i}``, uint8 bytes of the encoded file: :func:`reference_tensors`, read back with
+  :func:`reference_images`) -> the trajectory tensors (see ``docs/vllm-omni.md``; each unique
+  reference's latent as ``ref_latent.{u}``, :func:`ref_latent_key`) and
+  ``{"window", "weights_version", "lora_fingerprint", "nfe", "timings"}``.
 * ``POST /shutdown``.
 
 Errors come back as JSON ``{"error": message, "kind": name}`` with a 4xx/5xx status.
@@ -37,14 +39,24 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 __all__ = [
+    "DIFFUSERS_PREFIX",
+    "MAX_SEQUENCE_LENGTH",
+    "PEFT_PREFIX",
     "PROTOCOL_VERSION",
     "GroupSpec",
     "ProtocolError",
     "RolloutSpec",
+    "auto_dtype",
     "bytes_tensor",
     "checkpoint_identity",
     "lora_fingerprint",
     "pack",
+    "ref_image_key",
+    "ref_latent_key",
+    "reference_images",
+    "reference_tensors",
+    "resolve_device_type",
+    "resolve_dtype_name",
     "tensor_bytes",
     "unpack",
 ]
@@ -55,6 +67,20 @@ PROTOCOL_VERSION = 1
 """Bumped whenever a field changes meaning; the engine refuses a worker that speaks another."""
 
 _META_KEY = "boogu"
+
+MAX_SEQUENCE_LENGTH = 1280
+"""Instruction tokens per prompt (upstream's ``max_sequence_length``): the trainer's default
+``model.max_sequence_length`` and the cap the worker encodes prompts with."""
+
+PEFT_PREFIX = "base_model.model."
+"""What peft's ``PeftModel`` puts before the module path in ``adapter_model.safetensors``; a LoRA key
+sent to the worker may carry it (``boogu_adapters.lora`` owns the key naming and imports it from here)."""
+DIFFUSERS_PREFIX = "transformer."
+"""What diffusers' ``save_lora_weights`` puts before the transformer's module paths; a LoRA key sent
+to the worker may carry it too."""
+
+_REF_IMAGE = "ref_image."
+_REF_LATENT = "ref_latent."
 
 
 class ProtocolError(ValueError):
@@ -106,6 +132,57 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     if tensor.dtype != torch.uint8 or tensor.dim() != 1:
         raise ProtocolError(f"expected a 1-D uint8 tensor of bytes, got {tensor.dtype} {tuple(tensor.shape)}")
     return tensor.numpy().tobytes()
+
+
+def ref_image_key(index: int) -> str:
+    """The request tensor name of reference image ``index`` (``GroupSpec.ref_image``)."""
+    return f"{_REF_IMAGE}{int(index)}"
+
+
+def ref_latent_key(index: int) -> str:
+    """The response tensor name of the latent of unique reference ``index`` (an entry of ``ref_rows``)."""
+    return f"{_REF_LATENT}{int(index)}"
+
+
+def reference_tensors(images: Mapping[int, bytes]) -> dict[str, torch.Tensor]:
+    """A ``/generate`` request's tensors: each reference image's encoded file by its index."""
+    return {ref_image_key(i): bytes_tensor(data) for i, data in images.items()}
+
+
+def reference_images(tensors: Mapping[str, torch.Tensor]) -> dict[int, bytes]:
+    """The inverse of :func:`reference_tensors`; any other tensor name is a :class:`ProtocolError`."""
+    out = {}
+    for name, value in tensors.items():
+        index = name[len(_REF_IMAGE) :]
+        if not name.startswith(_REF_IMAGE) or not index.isdigit():
+            raise ProtocolError(f"/generate: unexpected tensor {name!r} (only {_REF_IMAGE}{{i}} are read)")
+        out[int(index)] = tensor_bytes(value)
+    return out
+
+
+def resolve_device_type(spec: str) -> str:
+    """The device type a ``device`` setting runs on: ``"auto"`` is ``"cuda"`` when CUDA is available,
+    else ``"cpu"``; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` are their type.
+
+    The one rule for ``auto`` devices: the trainer's rank device, ``boogu-sample``, the memory plan and
+    the rewards all resolve ``auto`` here."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(spec).type
+
+
+def auto_dtype(device_type: str) -> str:
+    """The compute dtype ``"auto"`` stands for on a device type: bfloat16 on CUDA, float32 elsewhere.
+
+    The one rule for ``auto`` dtypes, shared by the trainer (``model.dtype``, the plan, the rewards,
+    ``boogu-sample``) and the rollout worker (its ``--dtype`` default): a trainer and the worker it
+    launches with ``rollout.vllm.dtype=auto`` run the same dtype on the same kind of device."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def resolve_dtype_name(spec: str, device_type: str) -> str:
+    """A dtype setting (``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``) on ``device_type``."""
+    return auto_dtype(device_type) if spec == "auto" else spec
 
 
 def lora_fingerprint(state: Mapping[str, torch.Tensor]) -> str:

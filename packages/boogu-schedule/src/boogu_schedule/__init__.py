@@ -15,7 +15,13 @@ Conventions (the contract of this package; every one has a test that fails if it
 """
 
 from boogu_schedule.forward import flow_target, forward_noise, predict_x0, sample_sigmas
-from boogu_schedule.guidance import DEFAULT_GUIDANCE_SCALE, double_guidance, image_guidance, text_cfg
+from boogu_schedule.guidance import (
+    DEFAULT_GUIDANCE_SCALE,
+    double_guidance,
+    image_guidance,
+    text_cfg,
+    uses_cfg,
+)
 from boogu_schedule.schedule import (
     BooguScheduleConfig,
     boogu_sigmas,
@@ -78,4 +84,5 @@ __all__ = [
     "sigma_from_time",
     "text_cfg",
     "to_sde_velocity",
+    "uses_cfg",
 ]

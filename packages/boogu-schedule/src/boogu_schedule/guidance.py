@@ -14,13 +14,23 @@ DEFAULT_GUIDANCE_SCALE = 4.0
 """Upstream's default ``text_guidance_scale``."""
 
 
+def uses_cfg(guidance_scale: float) -> bool:
+    """Whether text CFG is on at ``guidance_scale``: every scale but 1 needs the negative forward.
+
+    The one predicate for "CFG is on": both rollout engines (whether to encode negatives and run the
+    negative forward), the training recomputation, the forward counts, the memory plan and the config
+    checks ask it, so none can disagree about ``g = 1``.
+    """
+    return guidance_scale != 1.0
+
+
 def text_cfg(v_pos: torch.Tensor, v_neg: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
     """Text CFG: ``v_pos + (g - 1) * (v_pos - v_neg)``.
 
     ``guidance_scale == 1`` returns ``v_pos`` unchanged and accepts ``v_neg=None``: callers skip the
     negative forward in that case, which halves the rollout cost.
     """
-    if guidance_scale == 1.0:
+    if not uses_cfg(guidance_scale):
         return v_pos
     if v_neg is None:
         raise ValueError(f"text_cfg: guidance_scale={guidance_scale} needs a negative prediction, got None")

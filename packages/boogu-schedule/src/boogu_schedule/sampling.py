@@ -21,18 +21,20 @@ noise draws each group makes, are derived on the host from the window plan befor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from boogu_schedule.schedule import to_sde_velocity
-from boogu_schedule.sde import Sampler, sde_step
+from boogu_schedule.sde import Sampler, SdeStep, sde_step
 from boogu_schedule.seeding import derive_seed, make_generator
 from boogu_schedule.window import SdeWindow, WindowPlan, WindowScope
 
 __all__ = [
+    "MAX_OUTPUT_PIXELS",
+    "OUTPUT_SIZE_MULTIPLE",
     "VelocityFn",
     "WindowSteps",
     "WindowedSamples",
@@ -41,13 +43,76 @@ __all__ = [
     "group_generators",
     "host_tensor",
     "initial_noise",
+    "output_size",
     "reference_generator",
     "sample_windowed",
+    "sde_transition",
 ]
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``(x (B, C, h, w) float32, sigma (B,), step i) -> v_boogu (B, C, h, w)``: the model's Boogu
 velocity ``x0 - eps`` after CFG and before the one negation (which :func:`sample_windowed` does)."""
+
+
+MAX_OUTPUT_PIXELS = 2048 * 2048
+"""Upstream's output-area cap (``max_input_image_pixels``)."""
+OUTPUT_SIZE_MULTIPLE = 16
+"""Output sides are multiples of this (the VAE's 8 times the transformer's 2x2 patches)."""
+
+
+def output_size(
+    height: int,
+    width: int,
+    reference_sizes: Iterable[tuple[int, int]] = (),
+    *,
+    max_pixels: int = MAX_OUTPUT_PIXELS,
+) -> tuple[int, int]:
+    """The (height, width) in pixels a request generates at: the one output-size rule of both engines.
+
+    With edit rows (``reference_sizes``: each reference's preprocessed pixel size) the output is
+    their size, which all of a request's references must share (upstream's ``align_res=True``; the
+    requested size is ignored). Otherwise the requested size, scaled down by area to ``max_pixels``
+    and floored to multiples of 16 (upstream's T2I ``_resolve_output_and_original_size``; a size
+    that passes ``boogu_adapters.types.check_output_size`` comes back unchanged).
+    """
+    sizes = {(int(h), int(w)) for h, w in reference_sizes}
+    if len(sizes) > 1:
+        raise ValueError(f"edit rows of one request must share a reference size, got {sorted(sizes)}")
+    if sizes:
+        return sizes.pop()
+    if height <= 0 or width <= 0:
+        raise ValueError(f"output size must be positive, got {height}x{width}")
+    ratio = min((max_pixels / (height * width)) ** 0.5, 1.0)
+    m = OUTPUT_SIZE_MULTIPLE
+    new_height, new_width = int(height * ratio) // m * m, int(width * ratio) // m * m
+    if new_height == 0 or new_width == 0:
+        raise ValueError(f"a {height}x{width} output is smaller than {m} px on a side after scaling")
+    return new_height, new_width
+
+
+def sde_transition(
+    sampler: Sampler | str,
+    sample: torch.Tensor,
+    v_boogu: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    noise_level: float,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    *,
+    noise: torch.Tensor | None = None,
+) -> SdeStep:
+    """One step ``sigma -> sigma_next`` from a Boogu velocity ``x0 - eps`` (after CFG): the one
+    negation (``to_sde_velocity``), then ``sampler``'s step (:func:`boogu_schedule.sde.sde_step`).
+
+    The one transition both sides compose: the rollout loop (:func:`sample_windowed`, both engines)
+    and the training recomputation (``boogu_adapters.step.transition``, ``prev_sample=`` the stored
+    next latent), so the log-prob the trainer recomputes is the rollout's by construction.
+    """
+    velocity = to_sde_velocity(v_boogu)  # negate once, after CFG: Boogu's x0 - eps -> eps - x0
+    return sde_step(
+        sampler, sample, velocity, sigma, sigma_next, noise_level, generator, prev_sample, noise=noise
+    )
 
 
 def host_tensor(
@@ -207,7 +272,7 @@ def sample_windowed(
     """Run the N-step denoising loop from ``x`` (float32 initial noise) with SDE windows.
 
     Rows are group-major (``group_size`` rows per generator of ``group_gens``). ``velocity`` gives
-    Boogu velocities after CFG; they are negated once here (``to_sde_velocity``). Every row takes a
+    Boogu velocities after CFG; :func:`sde_transition` negates them once. Every row takes a
     deterministic Euler step; rows inside their window are overwritten by the SDE step, whose noise
     each group draws from its own generator, in row order.
     """
@@ -234,14 +299,14 @@ def sample_windowed(
     for i in range(steps):
         sigma = sigmas[i].expand(batch).contiguous()
         sigma_next = sigmas[i + 1].expand(batch).contiguous()
-        v = to_sde_velocity(velocity(x, sigma, i))  # negate once, after CFG
+        v = velocity(x, sigma, i)  # Boogu velocity after CFG; sde_transition negates it
         entering = plan.entering[i]
         if entering is not None:
             latents[entering, 0] = x[entering]  # the window's entry state, before its first step
         # Deterministic Euler steps for every row (elementwise, so a row's value does not depend on
         # the others); the rows inside their window are then overwritten by the SDE step.
         if plan.any_outside[i]:
-            x_next = sde_step(Sampler.ODE, x, v, sigma, sigma_next, 0.0).prev_sample
+            x_next = sde_transition(Sampler.ODE, x, v, sigma, sigma_next, 0.0).prev_sample
         else:
             x_next = torch.empty_like(x)
         inside = plan.inside[i]
@@ -253,7 +318,7 @@ def sample_windowed(
                     for g, count in plan.draws[i]
                 ]
             )
-            step = sde_step(
+            step = sde_transition(
                 sampler, x[rows], v[rows], sigma[rows], sigma_next[rows], noise_level, noise=noise
             )
             x_next[rows] = step.prev_sample

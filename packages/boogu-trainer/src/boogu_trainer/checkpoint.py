@@ -62,7 +62,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from boogu_adapters.lora import from_peft_keys, to_peft_keys
+from boogu_adapters.lora import DIFFUSERS_PREFIX, from_peft_keys, is_lora_b, to_peft_keys
 from boogu_data.atomic import (
     atomic_write_text,
     commit_folder,
@@ -242,8 +242,6 @@ def _sha256(path: Path) -> str:
 
 DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"
 """The diffusers-layout LoRA file of a checkpoint (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
-DIFFUSERS_PREFIX = "transformer."
-"""What diffusers' ``save_lora_weights`` puts before the transformer's module paths."""
 
 
 def lora_scale(lora_config: Mapping[str, Any]) -> float:
@@ -271,7 +269,7 @@ def diffusers_lora_state(
     out = {}
     for key, value in lora.items():
         value = value.detach().to("cpu")
-        if ".lora_B." in key and scale != 1.0:
+        if is_lora_b(key) and scale != 1.0:
             value = (value.float() * scale).to(value.dtype)
         out[DIFFUSERS_PREFIX + key] = value.contiguous()
     return out
@@ -302,9 +300,8 @@ def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> N
         if p.is_file()
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    for p in folder.iterdir():
-        with open(p, "rb+") as f:
-            os.fsync(f.fileno())
+    # No fsync here: `commit_folder` fsyncs every file of the staging folder (this marker included)
+    # before the rename that makes it a checkpoint; until then a crash leaves only a staging folder.
     (folder / COMPLETE).write_text(str(step))
 
 

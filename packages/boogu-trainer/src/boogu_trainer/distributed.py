@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from boogu_protocol import resolve_device_type
+
 logger = logging.getLogger("boogu_trainer")
 
 
@@ -58,9 +60,7 @@ def resolve_device(spec: str | torch.device, local_rank: int = 0, world_size: in
     """
     text = str(spec)
     if text == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        text = "cuda"
+        text = resolve_device_type(text)  # cuda when CUDA is available, else cpu
     try:
         device = torch.device(text)
     except (RuntimeError, TypeError) as error:

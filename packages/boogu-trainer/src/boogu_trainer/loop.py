@@ -32,7 +32,7 @@ import yaml
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import BooguParts
-from boogu_adapters.lora import LoraMismatchError
+from boogu_adapters.lora import LoraMismatchError, peft_sync_config
 from boogu_adapters.rollout import RolloutEngine
 from boogu_adapters.training import TrainingAdapter
 from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
@@ -197,11 +197,7 @@ class Trainer:
             startup_timeout_s=v.startup_timeout_s,
             request_timeout_s=v.request_timeout_s,
             log_path=log_path,
-            peft_config={
-                "r": cfg.lora.rank,
-                "lora_alpha": cfg.lora.alpha,
-                "target_modules": list(cfg.lora.target_modules),
-            },
+            peft_config=peft_sync_config(cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules),
             micro_batch_size=cfg.rollout.micro_batch_size,
         )
 

@@ -23,6 +23,20 @@ from boogu_trainer.preflight import lora_targets_error
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+CHECKPOINTING_MIN_HIDDEN_SIZE = 1024
+"""``model.gradient_checkpointing: null`` turns checkpointing on from this hidden size up."""
+
+
+def gradient_checkpointing_on(setting: bool | None, hidden_size: int) -> bool:
+    """Whether a transformer of ``hidden_size`` trains with gradient checkpointing under
+    ``model.gradient_checkpointing`` (``setting``): true or false as given; null (the default) on for
+    hidden sizes >= 1024 (the released model; the tiny test models stay off). The one rule for the
+    trainer (`prepare_policy`) and the memory plan."""
+    if setting is not None:
+        return bool(setting)
+    return hidden_size >= CHECKPOINTING_MIN_HIDDEN_SIZE
+
+
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     """``model.dtype`` on ``device``: 'auto' is bfloat16 on CUDA and float32 elsewhere."""
     return DTYPES[resolved_model_dtype(spec, device.type)]
@@ -82,10 +96,7 @@ def prepare_policy(transformer: torch.nn.Module, config: TrainerConfig) -> torch
         if is_lora_param(name):
             p.data = p.data.float()
     compute_lora_in_input_dtype(transformer)
-    checkpointing = config.model.gradient_checkpointing
-    if checkpointing is None:
-        checkpointing = transformer.config.hidden_size >= 1024
-    if checkpointing:
+    if gradient_checkpointing_on(config.model.gradient_checkpointing, transformer.config.hidden_size):
         transformer.enable_gradient_checkpointing()
     if config.model.compile:
         if not hasattr(transformer, "enable_regional_compile"):

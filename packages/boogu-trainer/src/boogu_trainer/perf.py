@@ -39,6 +39,7 @@ from torch import nn
 
 from boogu_adapters.model.flops import FlopModel, lora_ranks_from_model
 from boogu_adapters.model.layout import TokenLayout
+from boogu_schedule import uses_cfg
 from boogu_schedule.seeding import make_generator
 
 __all__ = [
@@ -324,7 +325,7 @@ class FlopMeter:
             return model.forward(layout).total
 
         flops = forward(cond.lengths, cond.attention_mask)
-        if trajectory.guidance_scale != 1.0:
+        if uses_cfg(trajectory.guidance_scale):
             flops += forward(cond.negative_lengths, cond.negative_attention_mask)
         self._remote += steps * flops
 

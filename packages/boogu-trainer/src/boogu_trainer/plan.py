@@ -40,6 +40,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from boogu_schedule import uses_cfg
+
 __all__ = [
     "LiveBytes",
     "MemoryPlan",
@@ -54,8 +56,6 @@ __all__ = [
 GiB = 1024**3
 DEFAULT_TEXT_TOKENS = 256
 """Instruction tokens assumed per prompt (chat template included) when a recipe does not say."""
-
-
 # ------------------------------------------------------------------------------------------------
 # Live tensor bytes.
 
@@ -454,29 +454,30 @@ def plan_memory(
 
     Reads only the checkpoint folders' ``config.json`` files (the tiny checkpoint is built first when
     ``model.path`` is empty). ``device_type`` resolves ``model.dtype=auto`` (bfloat16 on cuda);
-    default: cpu when ``model.device`` is cpu, else cuda. ``reference_images``: reference images per
+    default: the type of ``model.device`` as the trainer resolves it on this machine
+    (``boogu_protocol.resolve_device_type``: ``auto`` is cuda when CUDA is available, else cpu; plan a
+    GPU run from a machine without one with ``model.device=cuda``). ``reference_images``: reference images per
     prompt (edit data), each at the output size: their tokens join every transformer call.
     Rollout micro-batches count latents (x2 sample-forwards with CFG batched), training ones samples
     (x2 with CFG).
     """
     from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
+    from boogu_protocol import resolve_device_type
     from boogu_trainer.config import check_world_layout, resolved_model_dtype
 
     # A layout the trainer refuses at start-up has no plan (and the groups per rank below assume it).
     check_world_layout(config, world_size)
-    from boogu_trainer.models import base_model_path
+    from boogu_trainer.models import base_model_path, gradient_checkpointing_on
 
     m = config.model
     root = base_model_path(config)
     if device_type is None:
-        device_type = "cpu" if m.device == "cpu" else "cuda"
+        device_type = resolve_device_type(m.device)
     dtype_name = resolved_model_dtype(m.dtype, device_type)
     dtype = getattr(torch, dtype_name)
     nbytes = torch.tensor([], dtype=dtype).element_size()
     tcfg, vcfg, mcfg, folder_note = _folder_configs(root)
-    checkpointing = m.gradient_checkpointing
-    if checkpointing is None:
-        checkpointing = int(tcfg.get("hidden_size", 0)) >= 1024
+    checkpointing = gradient_checkpointing_on(m.gradient_checkpointing, int(tcfg.get("hidden_size", 0)))
     shard = world_size if (world_size > 1 and config.distributed.fsdp) else 1
 
     rank, targets = config.lora.rank, config.lora.target_modules
@@ -503,7 +504,7 @@ def plan_memory(
     s = config.sampler
     p = int(tcfg.get("patch_size", 2))
     grid = (s.height // 8 // p, s.width // 8 // p)
-    cfg_rows = 2 if s.guidance_scale > 1.0 and config.rollout.cfg_mode == "batched" else 1
+    cfg_rows = 2 if uses_cfg(s.guidance_scale) and config.rollout.cfg_mode == "batched" else 1
     a = config.algorithm
     opts = a.forward_options
     # NFT and AWM train the conditional velocity unless `guided` (then both CFG rows, as flow_grpo)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from boogu_adapters.lora import is_lora_b
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.rollout import RelabelableEngine
 from boogu_adapters.types import RolloutRequest, Trajectory
@@ -504,7 +505,7 @@ def check_weight_sync(trainer: PreflightTarget, records: list) -> CheckResult:
 
     before = probe()
     v0 = engine.weights_version
-    b_params = [p for n, p in trainer.transformer.named_parameters() if "lora_B" in n]
+    b_params = [p for n, p in trainer.transformer.named_parameters() if is_lora_b(n)]
     saved = [local_tensor(p.detach()).clone() for p in b_params]
     cuda = trainer.device.type == "cuda"
     try:

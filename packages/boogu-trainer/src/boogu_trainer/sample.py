@@ -71,7 +71,9 @@ class TrainedLora:
     @property
     def modules(self) -> list[str]:
         """The module paths the LoRA adapts, sorted."""
-        return sorted({key.split(".lora_")[0] for key in self.tensors})
+        from boogu_adapters.lora import lora_module
+
+        return sorted({lora_module(key) for key in self.tensors})
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -157,13 +159,13 @@ def check_lora_matches(lora: TrainedLora, shapes: Mapping[str, Sequence[int]]) -
 
 def attach_lora(transformer, lora: TrainedLora) -> None:
     """Inject the LoRA into ``transformer`` in place and load its tensors; every module must attach."""
-    from boogu_adapters.lora import add_lora, is_lora_param, load_lora_state_dict, lora_file_keys
+    from boogu_adapters.lora import add_lora, is_lora_param, load_lora_state_dict, lora_file_keys, lora_module
 
     check_lora_matches(lora, {n: tuple(p.shape) for n, p in transformer.named_parameters()})
     rank = next(iter(lora.tensors.values())).shape[0] if lora.tensors else 0
     # alpha = scale * r reproduces the trained scale; targets are the exact module paths.
     add_lora(transformer, rank=rank, alpha=lora.scale * rank, target_modules=lora.modules, seed=0)
-    attached = sorted({k.split(".lora_")[0] for k in lora_file_keys(transformer)})
+    attached = sorted({lora_module(k) for k in lora_file_keys(transformer)})
     missing = sorted(set(lora.modules) - set(attached))
     if missing or len(attached) != len(lora.modules):
         raise SampleError(
@@ -434,6 +436,7 @@ def merge_to(
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from boogu_adapters.lora import lora_pair_keys
     from boogu_data.atomic import commit_folder, stage_folder
     from boogu_trainer.models import base_model_path
 
@@ -466,8 +469,8 @@ def merge_to(
                 key = f"{m}.weight"
                 if key in tensors:
                     w = tensors[key]
-                    a = trained.tensors[f"{m}.lora_A.weight"].float()
-                    b = trained.tensors[f"{m}.lora_B.weight"].float()
+                    key_a, key_b = lora_pair_keys(m)
+                    a, b = trained.tensors[key_a].float(), trained.tensors[key_b].float()
                     # (out, in) float32: peft's merge, W + scale * B @ A, then the stored dtype.
                     tensors[key] = (w.float() + trained.scale * (b @ a)).to(w.dtype).contiguous()
             save_file(tensors, staging / "transformer" / shard.name, metadata={"format": "pt"})

@@ -10,7 +10,8 @@ no tensor-carrying request of its own; its manager's hook for one is the pipelin
 
 Names. The trainer sends workspace file keys (``boogu_adapters.lora.lora_file_key``:
 ``double_stream_layers.0.img_instruct_attn.processor.img_to_q.lora_A.weight``), optionally with
-the peft prefix ``base_model.model.`` or the sync prefix ``transformer.``. vllm-omni's port names
+the peft prefix ``base_model.model.`` or diffusers' prefix ``transformer.`` (``boogu_protocol``'s
+``PEFT_PREFIX`` and ``DIFFUSERS_PREFIX``, which ``boogu_adapters.lora`` names keys with). vllm-omni's port names
 two things differently, exactly as its ``load_weights`` maps the base weights:
 ``.img_instruct_attn.processor.`` -> ``.img_instruct_attn.`` and ``.to_out.0`` -> ``.to_out``
 (also in ``target_modules``: peft's ``to_out.0`` becomes ``to_out``). Q/K/V and the SwiGLU
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from vllm.lora.request import LoRARequest
 
-from boogu_protocol import lora_fingerprint
+from boogu_protocol import DIFFUSERS_PREFIX, PEFT_PREFIX, lora_fingerprint
 
 __all__ = [
     "LORA_INT_ID",
@@ -55,8 +56,6 @@ LORA_PATH = "/boogu-flowgrpo/in-memory-lora"
 """An absolute placeholder: the manager resolves ``lora_path`` before the hook runs, and an
 absolute path is returned as is (a relative one could be looked up on the Hugging Face hub)."""
 
-PEFT_PREFIX = "base_model.model."
-SYNC_PREFIX = "transformer."
 _LIST = 5  # keys an error message names before summarising
 
 
@@ -79,7 +78,7 @@ _RENAMES = ((".img_instruct_attn.processor.", ".img_instruct_attn."),)
 
 
 def _strip(key: str) -> str:
-    for prefix in (PEFT_PREFIX, SYNC_PREFIX):
+    for prefix in (PEFT_PREFIX, DIFFUSERS_PREFIX):
         if key.startswith(prefix):
             key = key[len(prefix) :]
     return key

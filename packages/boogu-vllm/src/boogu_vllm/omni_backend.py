@@ -126,7 +126,7 @@ from typing import Any
 
 import torch
 
-from boogu_protocol import ProtocolError, RolloutSpec, pack, unpack
+from boogu_protocol import ProtocolError, RolloutSpec, pack, reference_images, unpack
 
 PIPELINE_CLASS = "boogu_vllm.pipeline.BooguSDEPipeline"
 """Qualified name of the custom pipeline class vllm-omni's worker builds."""
@@ -314,13 +314,12 @@ class OmniBackend:
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         from boogu_vllm.pipeline import RL_KEY
-        from boogu_vllm.worker import _images
 
         RolloutSpec.from_json(spec)  # a bad spec is a ProtocolError here, not an error inside the engine
         sampling_params = OmniDiffusionSamplingParams(
             num_outputs_per_prompt=1,
             seed=0,  # the pipeline draws its noise from the spec's seeds; this only fixes the runner's generator
-            extra_args={RL_KEY: {"spec": spec, "images": _images(tensors)}},
+            extra_args={RL_KEY: {"spec": spec, "images": reference_images(tensors)}},
             lora_request=self._lora_request,
             lora_scale=1.0,
         )

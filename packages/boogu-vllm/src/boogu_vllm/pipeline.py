@@ -38,13 +38,22 @@ from vllm_omni.diffusion.models.boogu_image.pipeline_boogu_image import (
     BooguImagePipeline,
 )
 
-from boogu_protocol import RolloutSpec, pack
-from boogu_schedule import BooguScheduleConfig, Sampler, WindowPlan, boogu_sigmas, boogu_time, text_cfg
+from boogu_protocol import MAX_SEQUENCE_LENGTH, RolloutSpec, pack, ref_image_key, ref_latent_key
+from boogu_schedule import (
+    BooguScheduleConfig,
+    Sampler,
+    WindowPlan,
+    boogu_sigmas,
+    boogu_time,
+    text_cfg,
+    uses_cfg,
+)
 from boogu_schedule.sampling import (
     dedupe,
     draw_windows,
     group_generators,
     initial_noise,
+    output_size,
     reference_generator,
     sample_windowed,
 )
@@ -140,11 +149,11 @@ class BooguSDEPipeline(BooguImagePipeline):
         timings: dict[str, float] = defaultdict(float)
         n, steps = spec.group_size, spec.num_steps
         num_groups, batch = len(spec.groups), len(spec.groups) * spec.group_size
-        cfg = spec.guidance_scale != 1.0
+        cfg = uses_cfg(spec.guidance_scale)
         for g, group in enumerate(spec.groups):
             if group.ref_image is not None and group.ref_image not in images:
                 raise ValueError(
-                    f"spec.groups[{g}].ref_image = {group.ref_image}, but no ref_image.{group.ref_image} was sent"
+                    f"spec.groups[{g}].ref_image = {group.ref_image}, but no {ref_image_key(group.ref_image)} was sent"
                 )
         group_gens, batch_gen = group_generators(spec.seed, spec.group_offset, num_groups, device)
 
@@ -162,13 +171,15 @@ class BooguSDEPipeline(BooguImagePipeline):
             [instr for instr, _ in unique],
             input_pil_images=vlm_images,
             device=device,
-            max_sequence_length=1280,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
         )
         tensors: dict[str, torch.Tensor] = {"hidden_states": hidden, "attention_mask": mask}
         if cfg:
             # Negatives are encoded text-only (upstream use_input_images_4_neg_instruct=False).
             negatives, negative_rows = dedupe([grp.negative for grp in spec.groups])
-            nh, nm = self._get_instruction_feature_embeds(negatives, device=device, max_sequence_length=1280)
+            nh, nm = self._get_instruction_feature_embeds(
+                negatives, device=device, max_sequence_length=MAX_SEQUENCE_LENGTH
+            )
             tensors.update(negative_hidden_states=nh, negative_attention_mask=nm)
         timings["encode"] += time.perf_counter() - t0
 
@@ -193,12 +204,7 @@ class BooguSDEPipeline(BooguImagePipeline):
                 pixels.to(device), generator=generator
             ).squeeze(0)
         timings["reference"] += time.perf_counter() - t0
-        if len(sizes) > 1:
-            raise ValueError(f"edit rows of one request must share a reference size, got {sorted(sizes)}")
-        if sizes:
-            height, width = sizes.pop()
-        else:
-            height, width, _, _ = self._resolve_output_size(spec.height, spec.width)
+        height, width = output_size(spec.height, spec.width, sizes)
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
         ref_rows = [-1 if grp.ref_image is None else ref_index[grp.ref_image] for grp in spec.groups]
 
@@ -279,7 +285,7 @@ class BooguSDEPipeline(BooguImagePipeline):
         if cfg:
             tensors["negative_rows"] = torch.tensor(negative_rows, dtype=torch.long)
         for u, z in ref_latent.items():
-            tensors[f"ref_latent.{u}"] = z
+            tensors[ref_latent_key(u)] = z
 
         # 4. Decode, as the trainer's codec does: (z / scale + shift) -> VAE -> uint8.
         if spec.decode:

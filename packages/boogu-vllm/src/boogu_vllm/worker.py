@@ -37,9 +37,10 @@ from boogu_protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
     RolloutSpec,
+    auto_dtype,
     checkpoint_identity,
     pack,
-    tensor_bytes,
+    reference_images,
     unpack,
 )
 
@@ -64,15 +65,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def _images(tensors: dict[str, torch.Tensor]) -> dict[int, bytes]:
-    out = {}
-    for name, value in tensors.items():
-        if not name.startswith("ref_image."):
-            raise ProtocolError(f"/generate: unexpected tensor {name!r} (only ref_image.{{i}} are read)")
-        out[int(name.split(".", 1)[1])] = tensor_bytes(value)
-    return out
-
-
 class DirectBackend:
     """``BooguSDEPipeline`` in this process (CPU): what the tests and a single-process run use."""
 
@@ -92,7 +84,7 @@ class DirectBackend:
 
     def generate(self, spec, tensors):
         with self._context():
-            return self.pipeline.rollout(RolloutSpec.from_json(spec), _images(tensors))
+            return self.pipeline.rollout(RolloutSpec.from_json(spec), reference_images(tensors))
 
     def load_lora(self, version, peft_config, tensors):
         with self._context():
@@ -298,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
 
         backend: Backend = OmniBackend(
             args.model,
-            dtype=args.dtype or "bfloat16",
+            dtype=args.dtype or auto_dtype("cuda"),  # vllm-omni's engine runs on the GPU
             engine_args=json.loads(args.engine_args) if args.engine_args else None,
         )
     else:
-        dtype = getattr(torch, args.dtype or "float32")
+        dtype = getattr(torch, args.dtype or auto_dtype("cpu"))
         backend = DirectBackend(args.model, dtype=dtype, device="cpu")  # the CPU shims' path
     log.info("model loaded in %.1f s", time.perf_counter() - t0)
     serve(backend, host=args.host, port=args.port, model=args.model, ready_file=args.ready_file)

@@ -373,12 +373,14 @@ def lora_ranks_from_model(model: nn.Module, *, include_disabled: bool = False) -
     """
     from peft.tuners.lora import LoraLayer
 
+    from boogu_adapters.lora import PEFT_PREFIX
+
     ranks = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and (include_disabled or not module.disable_adapters):
             rank = sum(int(module.r[a]) for a in module.active_adapters if a in module.lora_A)
             if rank:
-                ranks[name.removeprefix("base_model.model.")] = rank
+                ranks[name.removeprefix(PEFT_PREFIX)] = rank
     return ranks
 
 

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from boogu_protocol import resolve_device_type
 from boogu_trainer.config.fields import field_default, field_hints, leaves, plain, record_type
 from boogu_trainer.config.sections import TrainerConfig, resolved_model_dtype
 
@@ -86,9 +87,7 @@ def _resolved(key: str, value: Any) -> Any:
     # 'auto' and the dtype it stands for on this machine are the same run (a v0.2 checkpoint says
     # float32 where this version's default says auto).
     if key == "model.dtype" and isinstance(value, str):
-        import torch
-
-        return resolved_model_dtype(value, "cuda" if torch.cuda.is_available() else "cpu")
+        return resolved_model_dtype(value, resolve_device_type("auto"))
     return value
 
 

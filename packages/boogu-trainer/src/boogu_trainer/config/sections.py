@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.types import OutputSizeError, check_output_size
-from boogu_schedule import WindowPlan
+from boogu_protocol import MAX_SEQUENCE_LENGTH, resolve_dtype_name
+from boogu_schedule import WindowPlan, uses_cfg
 from boogu_schedule.window import WindowPlanError
 from boogu_trainer.config.fields import field_hints
 
@@ -91,7 +92,7 @@ class ModelConfig:
     """'auto' (cuda if available), 'cpu' or 'cuda[:i]'."""
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward; null turns it on for models with hidden size >= 1024."""
-    max_sequence_length: int = 1280
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH
     """Prompt token cap (upstream's default); longer prompts are an error, never silently cut."""
     edit_vlm_view: Literal["upstream", "processor"] = "upstream"
     """An edit reference's VLM copy: resized to 384² first as upstream does, or as is (the reference's)."""
@@ -109,9 +110,7 @@ class ModelConfig:
 
 def resolved_model_dtype(spec: str, device_type: str) -> str:
     """``model.dtype`` as run on a device of this type: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
-    if spec != "auto":
-        return spec
-    return "bfloat16" if device_type == "cuda" else "float32"
+    return resolve_dtype_name(spec, device_type)
 
 
 @dataclass(frozen=True)
@@ -690,7 +689,7 @@ class TrainerConfig:
             levels = self.sampler.num_steps
             wanted = opts.timesteps if opts.timesteps is not None else levels - 1  # NFT's null: all but one
             _check(wanted <= levels, f"{key}.timesteps", opts.timesteps, f"<= sampler.num_steps ({levels})")
-        if opts is not None and opts.guided and self.sampler.guidance_scale <= 1.0:
+        if opts is not None and opts.guided and not uses_cfg(self.sampler.guidance_scale):
             raise ConfigError(
                 f"{key}.guided=true trains the CFG-guided velocity, but "
                 f"sampler.guidance_scale={self.sampler.guidance_scale} rolls out without CFG; "

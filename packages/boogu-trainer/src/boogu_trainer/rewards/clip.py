@@ -38,6 +38,7 @@ import torch
 from PIL import Image
 
 from boogu_data import PromptRecord
+from boogu_protocol import auto_dtype, resolve_device_type
 from boogu_trainer.rewards.base import RewardError, check_batch, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
 
@@ -74,7 +75,7 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     if isinstance(spec, torch.device):
         device = spec
     elif spec == "auto":
-        if torch.cuda.is_available():
+        if resolve_device_type(spec) == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     else:
@@ -96,7 +97,7 @@ def resolve_dtype(spec: str | torch.dtype, device: torch.device) -> torch.dtype:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {spec}")
         return spec
     if spec == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[auto_dtype(device.type)]
     if spec not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {spec!r}")
     return _DTYPES[spec]
