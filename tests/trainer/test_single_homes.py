@@ -30,7 +30,7 @@ def _plan_dtype(tiny_checkpoint, device_type=None, device="auto"):
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_auto_dtype_is_one_rule_for_the_trainer_the_plan_and_the_rewards(device_type, tiny_checkpoint):
     from boogu_trainer.config import resolved_model_dtype
-    from boogu_trainer.loop import resolve_dtype
+    from boogu_trainer.models import resolve_dtype
     from boogu_trainer.rewards.clip import resolve_dtype as reward_dtype
 
     want = "bfloat16" if device_type == "cuda" else "float32"
