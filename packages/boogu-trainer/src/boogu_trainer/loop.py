@@ -590,41 +590,41 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> ckpt.CheckpointContents:
-        tensors, meta = self.learner.optimizer_state()
-        ema = self.learner.ema
+        learner = self.learner.state_dict(lora=self._full_lora())
         return ckpt.CheckpointContents(
-            lora={k: v.float().cpu() for k, v in self._full_lora().items()},
-            lora_config=self.learner.adapter_config(),
-            optimizer_tensors=tensors,
-            optimizer_meta=meta,
+            lora=learner["lora"],
+            lora_config=learner["lora_config"],
+            optimizer_tensors=learner["optimizer_tensors"],
+            optimizer_meta=learner["optimizer_meta"],
             trainer_state={
                 "step": self.step,
                 "run_id": self.checkpointer.run_id,
                 "world_size": self.dist.world_size,
                 "data": self.data.state_dict(),
                 "nonfinite_streak": self.nonfinite_streak,
-                "counters": dict(self.learner.counters),
+                "counters": learner["counters"],
                 "weights_version": self.engine.weights_version,
                 "gold": self.gold.state_dict(),
                 "totals": dict(self.totals),
             },
             config_yaml=yaml.safe_dump(config_to_dict(self.config), sort_keys=False),
-            ema=None if ema is None else {k: v.cpu() for k, v in ema.items()},
+            ema=learner["ema"],
             rng=ckpt.rng_states_of_ranks(self.dist.gather_objects(ckpt.rng_state(self.device), "rng gather")),
-            old=None
-            if self.learner.old is None
-            else {k: v.float().cpu() for k, v in self.learner.old_state().items()},
+            old=learner["old"],
         )
 
     def load_state_dict(self, contents: ckpt.CheckpointContents) -> None:
         state = contents.trainer_state
-        self.learner.load(
-            contents.lora,
-            contents.optimizer_tensors,
-            contents.optimizer_meta,
-            contents.ema,
-            state["counters"],
-            old=contents.old,
+        self.learner.load_state_dict(
+            {
+                "lora": contents.lora,
+                "lora_config": contents.lora_config,
+                "optimizer_tensors": contents.optimizer_tensors,
+                "optimizer_meta": contents.optimizer_meta,
+                "ema": contents.ema,
+                "old": contents.old,
+                "counters": state["counters"],
+            }
         )
         self.totals.update(state.get("totals", {}))
         self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
