@@ -209,7 +209,7 @@ def test_old_decay_schedules_match_the_reference_types():
 def _level_plan(name: str, group_ids: list[int], group_noise: bool, n: int = 4):
     from types import SimpleNamespace
 
-    from boogu_trainer.forward_process import LevelPlan
+    from boogu_trainer.algorithms.renoise import LevelPlan
 
     short = FORWARD_OPTIONS_KEYS[name]
     cfg = load_config(
@@ -228,8 +228,7 @@ def _level_plan(name: str, group_ids: list[int], group_noise: bool, n: int = 4):
         group_id=torch.tensor(group_ids).repeat_interleave(n),
         final_latents=torch.zeros(b, 4, 4, 4),
     )
-    learner = SimpleNamespace(config=cfg, device=torch.device("cpu"))
-    return LevelPlan(learner, SimpleNamespace(trajectory=traj), step=7)
+    return LevelPlan(cfg.algorithm, cfg.seed, torch.device("cpu"), traj, step=7)
 
 
 @pytest.mark.parametrize("name", ["diffusion_nft", "awm"])

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from boogu_schedule import Sampler
-from boogu_trainer import learner as learner_module
+from boogu_trainer.algorithms import flow_grpo as flow_grpo_module
 from boogu_trainer.config import FORWARD_OPTIONS_KEYS, demo_config, load_config
 from boogu_trainer.data import demo_records
 from boogu_trainer.distributed import local_tensor
@@ -117,13 +117,13 @@ def test_grpo_guard_corrects_for_the_rollouts_sampler(tiny_checkpoint, tmp_path,
     # RatioNorm's bias depends on how the rollout scored its log-probs (cps: unnormalised, no
     # 1/(2 s^2)): the learner must hand the trajectory's sampler to the loss, not the default.
     seen = []
-    real = learner_module.grpo_guard_loss
+    real = flow_grpo_module.grpo_guard_loss
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("sampler"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(learner_module, "grpo_guard_loss", spy)
+    monkeypatch.setattr(flow_grpo_module, "grpo_guard_loss", spy)
     cfg = make(tiny_checkpoint, tmp_path, "algorithm.loss=grpo_guard", "sampler.sampler=cps", "total_steps=1")
     history = Trainer(cfg).train()
     assert math.isfinite(history[0]["loss"])
@@ -241,7 +241,7 @@ def test_forward_process_learners_train_edit_rows_with_their_reference(
 ):
     """Edit rows through DiffusionNFT and AWM: every training forward on the re-noised final latents
     carries each row's own reference latents (the rollout's, in row order), and the step trains."""
-    import boogu_trainer.forward_process as fp
+    import boogu_trainer.algorithms.renoise as fp
     from tests.trainer.golden_runs import edit_rows
 
     path = edit_rows(tmp_path)

@@ -355,7 +355,8 @@ def test_model_compile_compiles_the_trained_module_per_block(tiny_checkpoint, tm
 def test_no_host_sync_inside_the_forward_process_update(algorithm, tiny_checkpoint, tmp_path):
     """DiffusionNFT's and AWM's micro-batch x level loop, and the old values computed before it
     (NFT's old policy lagging, a second mini-batch), with the KL's base-model forwards: no host reads."""
-    from boogu_trainer.forward_process import ForwardProcessUpdate
+    from boogu_trainer.algorithms.renoise import ForwardProcessAlgorithm
+    from boogu_trainer.learner import Learner
 
     trainer = Trainer(
         _config(
@@ -377,25 +378,28 @@ def test_no_host_sync_inside_the_forward_process_update(algorithm, tiny_checkpoi
     trainer.step = 1
     guard = HostSyncGuard()
     regions = []
-    originals = {name: getattr(ForwardProcessUpdate, name) for name in ("accumulate", "precompute_old")}
+    originals = {
+        name: (owner, getattr(owner, name))
+        for owner, name in ((Learner, "_accumulate"), (ForwardProcessAlgorithm, "precompute_old"))
+    }
 
     def wrap(name):
         def guarded(self, *args, **kwargs):
             regions.append(name)
             with guard.region():
-                return originals[name](self, *args, **kwargs)
+                return originals[name][1](self, *args, **kwargs)
 
         return guarded
 
     try:
-        for name in originals:
-            setattr(ForwardProcessUpdate, name, wrap(name))
+        for name, (owner, _) in originals.items():
+            setattr(owner, name, wrap(name))
         with guard, no_tolist(guard), lengths_from_host(guard) as given:
             metrics = trainer.train_step().metrics
     finally:
-        for name, fn in originals.items():
-            setattr(ForwardProcessUpdate, name, fn)
+        for name, (owner, fn) in originals.items():
+            setattr(owner, name, fn)
     assert given and all(given)
     assert metrics["optimizer_steps"] == 4 and "kl_ref" in metrics
-    assert regions.count("accumulate") == 2 and "precompute_old" in regions
+    assert regions.count("_accumulate") == 2 and "precompute_old" in regions
     assert metrics["fe/reference_per_image"] == 2 and metrics["fe/old_per_image"] > 0

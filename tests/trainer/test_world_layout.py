@@ -22,7 +22,7 @@ import torch
 from boogu_trainer.cli import main
 from boogu_trainer.config import ConfigError, TrainerConfig, check_world_layout, demo_config
 from boogu_trainer.distributed import DistEnv
-from boogu_trainer.learner import Learner
+from boogu_trainer.learner import Learner, UpdateResult
 from boogu_trainer.plan import plan_memory, train_micro_batch_rows
 
 GROUP_SIZE = 2
@@ -57,7 +57,7 @@ def _rank_schedule(config: TrainerConfig, rank: int, world: int) -> list[tuple[l
 
     learner._accumulate = record
     learner.optimizer_step = lambda bad_loss, acc: "ok"
-    learner.finish = lambda *args, **kwargs: None
+    learner.finish = lambda *args, **kwargs: UpdateResult(metrics={}, finite=True)
     ones = torch.ones(rows)  # every advantage non-zero: one rank skips no row
     batch = SimpleNamespace(
         trajectory=SimpleNamespace(batch_size=rows, group_id=group_id, window_size=1),
@@ -65,7 +65,7 @@ def _rank_schedule(config: TrainerConfig, rank: int, world: int) -> list[tuple[l
         finite=torch.ones(rows, dtype=torch.bool),
         global_advantages=SimpleNamespace(finite=torch.ones(1, dtype=torch.bool)),
     )
-    learner._update_policy(batch)
+    learner.update(batch)
     return steps
 
 

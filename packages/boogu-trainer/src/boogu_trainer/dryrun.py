@@ -87,9 +87,9 @@ LOOP_FUNCTIONS = frozenset(
         "sample_windowed",  # the denoising loop (boogu_schedule.sampling)
         "boogu_velocity",  # every transformer call of a rollout or an update (boogu_adapters.step)
         "step_stats",  # FlowGRPO's recomputed transition (boogu_adapters.training)
-        "_accumulate",  # FlowGRPO's micro-batch x window-step loop (boogu_trainer.learner)
-        "accumulate",  # DiffusionNFT / AWM's micro-batch x level loop (boogu_trainer.forward_process)
-        "precompute_old",
+        "_accumulate",  # the update's micro-batch x loss-term loop (boogu_trainer.learner)
+        "losses",  # an algorithm's loss terms of one micro-batch (boogu_trainer.algorithms)
+        "precompute_old",  # DiffusionNFT / AWM's old values (boogu_trainer.algorithms.renoise)
         "optimizer_step",  # once per optimizer step, inside the mini-batch loop
         "_weights_finite",
     }

@@ -1,16 +1,12 @@
-"""The learner: the policy update on one scored batch, the optimizer, the EMA, NFT's old policy.
+"""The learner: the update loop on one scored batch, the optimizer, the EMA; the algorithm's loss.
 
-``algorithm.name`` picks the update:
-
-* ``flow_grpo``: for each of ``inner_epochs`` passes and each mini-batch (the groups whose global
-  index is ``m`` modulo the number of mini-batches, so a run on several ranks updates on exactly the
-  mini-batches a single rank would), every window step ``k`` is recomputed through the same step
-  function as the rollout and contributes ``PPO-clip(exp(log p - log p_old), A) [+ beta KL]`` (or
-  GRPO-Guard's, ``algorithm.loss``) to a mean over the mini-batch's samples and the window's steps;
-  then one AdamW step on the LoRA parameters.
-* ``diffusion_nft`` and ``awm``: the same mini-batches and optimizer steps, with losses on re-noised
-  clean samples (`boogu_trainer.forward_process`). DiffusionNFT's old policy is a second copy of
-  the LoRA, soft-updated after every update (``algorithm.nft.old_decay_*``); rollouts use it.
+``algorithm.name`` picks the algorithm (`boogu_trainer.algorithms`): FlowGRPO / GRPO-Guard per
+window step, DiffusionNFT / AWM per re-noised level. Every algorithm runs in the same loop: for each
+of ``inner_epochs`` passes and each mini-batch (`mini_batch_rows`: the groups whose global index is
+``m`` modulo the number of mini-batches, so a run on several ranks updates on exactly the
+mini-batches a single rank would), each micro-batch's loss terms (`Algorithm.losses`) go through
+backward with their share of the mean over the mini-batch's samples and the terms; then one AdamW
+step on the LoRA parameters.
 
 Skips are collective-safe: under several ranks every rank runs the same forwards (FSDP
 collectives), and a non-finite loss or gradient on one rank skips the optimizer step on all. After
@@ -23,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +31,8 @@ from boogu_adapters.lora import (
     lora_state_dict,
 )
 from boogu_adapters.training import TrainingAdapter
+from boogu_trainer.algorithms import Algorithm, DiffusionNFT, Policy, UpdateResult, build_algorithm
+from boogu_trainer.algorithms.base import PhaseCounter, micro_batches
 from boogu_trainer.config import TrainerConfig
 from boogu_trainer.distributed import (
     DistEnv,
@@ -45,30 +41,30 @@ from boogu_trainer.distributed import (
     load_full_state,
     local_tensor,
 )
-from boogu_trainer.forward_process import ForwardProcessUpdate, PhaseCounter, nullphase, swapped
-from boogu_trainer.losses import (
-    RATIO_SQ_DEV,
-    MetricSums,
-    grpo_guard_loss,
-    kl_to_reference,
-    policy_loss,
-    pooled_ratio_std,
-)
+from boogu_trainer.losses import RATIO_SQ_DEV, MetricSums, pooled_ratio_std
 from boogu_trainer.rollout import ScoredBatch
 
 
-@dataclass(frozen=True)
-class UpdateResult:
-    metrics: dict[str, Any]
-    """Averaged loss terms, ratio/clip statistics, grad norm, on-policy log-prob differences."""
-    finite: bool
-    """Every loss and gradient was finite (no optimizer step was skipped for non-finite values)."""
-    weights_finite: bool = True
-    """The LoRA stayed finite; False means the last update was undone (see `Learner`)."""
+def mini_batch_rows(group_id: torch.Tensor, group_size: int, mini_batches: int) -> list[list[int]]:
+    """The local rows of each mini-batch: whole groups, global group ``g`` in mini-batch ``g % m``
+    with ``m = min(mini_batches, local groups)``.
+
+    ``group_id``: (B,) the global group of each local row, group-major (the rollout's numbering). The
+    rule depends on global indices only, so with ranks holding contiguous shares of the groups
+    (`config.check_world_layout`) every mini-batch is the one a single rank would make.
+    """
+    n = group_size
+    global_group = group_id.cpu()[::n]  # (groups,) global group index of each local group
+    num_mb = min(mini_batches, group_id.numel() // n)
+    schedule = []
+    for mb in range(num_mb):
+        local_groups = (global_group % num_mb == mb).nonzero().flatten().tolist()
+        schedule.append([g * n + j for g in local_groups for j in range(n)])
+    return schedule
 
 
 class Learner:
-    """Owns the trainable LoRA parameters, AdamW, the EMA and the update counters."""
+    """Owns the trainable LoRA parameters, AdamW, the EMA, the update counters and the algorithm."""
 
     def __init__(
         self,
@@ -86,7 +82,6 @@ class Learner:
         named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self._names = {id(p): n for n, p in named}
         o = config.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -96,61 +91,134 @@ class Learner:
             {k: v.float().clone() for k, v in self.full_lora().items()} if config.ema.enabled else None
         )
         self._snapshot: list[torch.Tensor] | None = None
-        self.count_as: PhaseCounter = nullphase
-        """Names the phase of the learner's extra forwards ('reference', 'old') for the FE accounting."""
-        self.old: list[torch.Tensor] | None = (
-            [p.detach().clone() for p in self.params] if config.algorithm.name == "diffusion_nft" else None
-        )
-        """DiffusionNFT's old (sampling) policy: one tensor per LoRA parameter, sharded like it."""
-        self.old_is_current = True
-        """The old policy equals the current one (no lag yet, or ``old_decay_max = 0``)."""
-        self.last_old_decay = 0.0
+        self.policy = Policy(transformer, adapter, device, self.params, self.param_names)
+        self.algorithm: Algorithm = build_algorithm(config.algorithm, config.seed, self.policy)
+
+    @property
+    def count_as(self) -> PhaseCounter:
+        """Names the phase of the algorithm's extra forwards ('reference', 'old') for the FE accounting."""
+        return self.policy.count_as
+
+    @count_as.setter
+    def count_as(self, counter: PhaseCounter) -> None:
+        self.policy.count_as = counter
+
+    # ---- DiffusionNFT's old policy (`DiffusionNFT`) -------------------------------------------------
+    @property
+    def _nft(self) -> DiffusionNFT | None:
+        return self.algorithm if isinstance(self.algorithm, DiffusionNFT) else None
+
+    @property
+    def old(self) -> list[torch.Tensor] | None:
+        """DiffusionNFT's old (sampling) policy, one tensor per LoRA parameter; None for the others."""
+        return None if self._nft is None else self._nft.old
+
+    @property
+    def old_is_current(self) -> bool:
+        """The rollout policy is the current one (always, but for a lagging NFT old policy)."""
+        return True if self._nft is None else self._nft.old_is_current
+
+    @property
+    def last_old_decay(self) -> float:
+        return 0.0 if self._nft is None else self._nft.last_old_decay
+
+    def old_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole old policy by LoRA file key (a collective under FSDP), or None."""
+        return None if self._nft is None else self._nft.old_state()
+
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """The module holds the rollout policy's weights inside the block: NFT's old policy when it lags."""
+        return self.algorithm.sampling_policy()
 
     # ---- the update --------------------------------------------------------------------------------
     def update(self, batch: ScoredBatch, step: int = 0) -> UpdateResult:
         """The configured algorithm's update on one rollout batch (``step``: the training step, 0-based,
-        which seeds the forward-process algorithms' noise)."""
-        if self.config.algorithm.name == "flow_grpo":
-            return self._update_policy(batch)
-        result = ForwardProcessUpdate(self, batch, step).run()
-        if self.old is not None and result.weights_finite:
-            self._update_old()
+        which seeds the forward-process algorithms' noise).
+
+        Inside the loops over mini-batches, micro-batches and loss terms nothing is read back from the
+        device; each optimizer step makes two host reads (whether the losses and the gradient norm were
+        finite, and whether the updated weights are), and the metrics are read once at the end.
+        """
+        result = self._update(batch, step)
+        if result.weights_finite:
+            self.algorithm.after_update(self.counters)
         return result
 
-    @contextlib.contextmanager
-    def sampling_policy(self) -> Iterator[None]:
-        """The module holds the rollout policy's weights inside the block: NFT's old policy when it lags."""
-        if self.old is None or self.old_is_current:
-            yield
-            return
-        with swapped([local_tensor(p.detach()) for p in self.params], [local_tensor(o) for o in self.old]):
-            yield
+    def _update(self, batch: ScoredBatch, step: int) -> UpdateResult:
+        a = self.config.algorithm
+        traj = batch.trajectory
+        algorithm = self.algorithm
+        algorithm.begin(batch, step)
+        acc: dict[str, list[torch.Tensor | float]] = defaultdict(list)
+        all_finite, weights_finite = True, True
+        self.counters["nonfinite_reward_samples"] += int((~batch.finite).sum())
+        advantages = torch.where(
+            batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages)
+        )
+        if not bool(batch.global_advantages.finite.any()):
+            return self.finish(acc, finite=False)
+        host_advantages = advantages.cpu()  # once per update, before the loops
+        schedule = mini_batch_rows(traj.group_id, a.group_size, a.mini_batches)
+        algorithm.prepare(schedule)
+        # No gradient where A = 0 (without a KL, for most algorithms): skip the compute (a single
+        # process only; under FSDP every rank must run the same forwards).
+        skip_zero = not self.dist.enabled and a.kl_coef == 0 and algorithm.zero_advantage_has_no_gradient
+        self.transformer.train()
+        for epoch in range(a.inner_epochs):
+            for mb, all_rows in enumerate(schedule):
+                rows = [r for r in all_rows if host_advantages[r] != 0] if skip_zero else all_rows
+                if not rows:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                bad_loss = self._accumulate(
+                    batch,
+                    advantages,
+                    self.micro_batches(rows),
+                    len(all_rows),
+                    acc,
+                    first=epoch == 0 and mb == 0,
+                )
+                status = self.optimizer_step(bad_loss, acc)
+                if status == "skipped":
+                    all_finite = False
+                    continue
+                if status == "undone":
+                    weights_finite = False
+                    break
+            if not weights_finite:
+                break
+        return self.finish(acc, finite=all_finite, weights_finite=weights_finite)
 
-    def _update_old(self) -> None:
-        """old <- d old + (1 - d) current, d from ``algorithm.nft`` and the optimizer steps so far."""
-        assert self.old is not None
-        d = self.config.algorithm.nft.old_decay(self.counters["optimizer_steps"])
-        local_old = [local_tensor(o) for o in self.old]
-        current = [local_tensor(p.detach()) for p in self.params]
-        with torch.no_grad():
-            if d == 0.0:
-                torch._foreach_copy_(local_old, current)
-            else:
-                torch._foreach_mul_(local_old, d)
-                torch._foreach_add_(local_old, current, alpha=1.0 - d)
-        self.old_is_current = d == 0.0
-        self.counters["old_lags"] = int(d != 0.0)
-        self.last_old_decay = d
+    def micro_batches(self, rows: torch.Tensor | list[int]) -> list[list[int]]:
+        """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
+        return micro_batches(rows, self.config.algorithm.train_micro_batch_size)
 
-    def old_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole old policy by LoRA file key (a collective under FSDP), or None."""
-        if self.old is None:
-            return None
-        return {
-            lora_file_key(name): full_tensor(o).detach()
-            for name, o in zip(self.param_names, self.old)
-            if is_lora_param(name)
-        }
+    def _accumulate(self, batch, advantages, chunks, total_rows, acc, *, first: bool) -> torch.Tensor:
+        """Forward + backward of every micro-batch and loss term of one mini-batch.
+
+        Gradients accumulate across micro-batches: each contributes its rows' share of the mean over
+        the mini-batch's samples (skipped ones count as zero) and the terms (window steps or levels).
+        Returns a device bool: some loss was not finite. Under several ranks such a loss still goes
+        through backward, whose FSDP reduce-scatters every rank must join; the optimizer step is then
+        skipped on all ranks.
+        """
+        terms = self.algorithm.num_terms(batch)
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        # Each metric is the mini-batch's mean over samples and terms: chunk values weighted by their
+        # share of the rows.
+        sums = MetricSums()
+        rows = sum(len(chunk) for chunk in chunks)
+        for chunk in chunks:
+            weight = len(chunk) / total_rows / terms
+            share = len(chunk) / rows / terms
+            for term in self.algorithm.losses(batch, advantages, chunk, first=first):
+                if term.kl is not None:
+                    sums.add("kl_ref", term.kl, share)
+                bad = bad | ~torch.isfinite(term.loss.detach())
+                (term.loss * weight).backward()
+                sums.add_loss(term.loss, term.policy, share)
+        sums.into(acc)
+        return bad
 
     def optimizer_step(self, bad_loss: torch.Tensor, acc: dict[str, list]) -> str:
         """Clip, check, step: 'ok', 'skipped' (a non-finite loss or gradient) or 'undone' (non-finite weights)."""
@@ -173,137 +241,8 @@ class Learner:
             return "undone"
         return "ok"
 
-    def _update_policy(self, batch: ScoredBatch) -> UpdateResult:
-        """FlowGRPO's policy-gradient updates on one rollout batch.
-
-        Inside the loops over mini-batches, micro-batches and window steps nothing is read back from
-        the device; each optimizer step makes two host reads (whether the losses and the gradient norm
-        were finite, and whether the updated weights are), and the metrics are read once at the end.
-        """
-        a = self.config.algorithm
-        traj = batch.trajectory
-        n = a.group_size
-        self.transformer.train()
-        acc: dict[str, list[torch.Tensor | float]] = defaultdict(list)
-        logprob_diff: list[torch.Tensor | None] = [None] * traj.window_size
-        all_finite, weights_finite = True, True
-        self.counters["nonfinite_reward_samples"] += int((~batch.finite).sum())
-        advantages = torch.where(
-            batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages)
-        )
-        if not bool(batch.global_advantages.finite.any()):
-            return self.finish(acc, logprob_diff, finite=False)
-        host_advantages = advantages.cpu()  # once per update, before the loops
-        groups = traj.batch_size // n
-        num_mb = min(a.mini_batches, groups)
-        global_group = traj.group_id.cpu()[::n]  # (groups,) global group index of each local group
-        for epoch in range(a.inner_epochs):
-            for mb in range(num_mb):
-                local_groups = (global_group % num_mb == mb).nonzero().flatten().tolist()
-                # Host indices (read once above): the mini-batch's rows stay on the CPU.
-                rows = torch.tensor(
-                    [g * n + j for g in local_groups for j in range(n)], dtype=torch.long, device="cpu"
-                )
-                total_rows = rows.numel()
-                if not self.dist.enabled and a.kl_coef == 0:
-                    # No policy gradient where A = 0: skip the compute (a single process only; under
-                    # FSDP every rank must run the same forwards).
-                    rows = rows[host_advantages[rows] != 0]
-                if rows.numel() == 0:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                bad_loss = self._accumulate(
-                    batch,
-                    advantages,
-                    self.micro_batches(rows),
-                    total_rows,
-                    acc,
-                    logprob_diff,
-                    first=epoch == 0 and mb == 0,
-                )
-                status = self.optimizer_step(bad_loss, acc)
-                if status == "skipped":
-                    all_finite = False
-                    continue
-                if status == "undone":
-                    weights_finite = False
-                    break
-            if not weights_finite:
-                break
-        return self.finish(acc, logprob_diff, finite=all_finite, weights_finite=weights_finite)
-
-    def micro_batches(self, rows: torch.Tensor | list[int]) -> list[list[int]]:
-        """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
-        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-        size = self.config.algorithm.train_micro_batch_size or len(rows)
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
-
-    def _accumulate(
-        self, batch, advantages, chunks, total_rows, acc, logprob_diff, *, first: bool
-    ) -> torch.Tensor:
-        """Forward + backward of every micro-batch and window step of one mini-batch.
-
-        Gradients accumulate across micro-batches: each contributes its rows' share of the mean over
-        the mini-batch's samples (skipped ones count as zero) and the window's steps. Returns a device
-        bool: some loss was not finite. Under several ranks such a loss still goes through backward,
-        whose FSDP reduce-scatters every rank must join; the optimizer step is then skipped on all ranks.
-        """
-        a = self.config.algorithm
-        traj = batch.trajectory
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        # Each metric is the mini-batch's mean over samples and window steps: chunk values weighted
-        # by their share of the rows.
-        sums = MetricSums()
-        add = sums.add
-
-        rows = sum(len(chunk) for chunk in chunks)
-        for chunk in chunks:
-            weight = len(chunk) / total_rows / traj.window_size
-            share = len(chunk) / rows / traj.window_size
-            chunk_advantages = self.adapter.rows(advantages, chunk)
-            for k in range(traj.window_size):
-                stats = self.adapter.step_stats(self.transformer, traj, k, index=chunk)
-                old = self.adapter.rows(traj.log_prob, chunk)[:, k]
-                if first:
-                    # Before any update the recomputed log-prob must equal the rollout's (on-policy check).
-                    diff = (stats.log_prob.detach() - old).abs().max()
-                    logprob_diff[k] = (
-                        diff if logprob_diff[k] is None else torch.maximum(logprob_diff[k], diff)
-                    )
-                step = self.adapter.rows(traj.step_index, chunk)[:, k]
-                dt = traj.sigmas[step + 1] - traj.sigmas[step]
-                if a.loss == "grpo_guard":
-                    old_mean = self.adapter.rows(traj.mean, chunk)[:, k]
-                    pl = grpo_guard_loss(
-                        stats.log_prob,
-                        old,
-                        stats.mean,
-                        old_mean,
-                        stats.std,
-                        dt,
-                        chunk_advantages,
-                        a.clip_range,
-                        sampler=traj.sampler,
-                    )
-                else:
-                    pl = policy_loss(stats.log_prob, old, chunk_advantages, a.clip_range)
-                loss = pl.loss
-                if a.kl_coef > 0:
-                    with torch.no_grad(), self.count_as("reference"):
-                        ref = self.adapter.step_stats(
-                            self.transformer, traj, k, index=chunk, use_adapters=False
-                        )
-                    kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, a.kl_kind, traj.sampler).mean()
-                    loss = loss + a.kl_coef * kl
-                    add("kl_ref", kl, share)
-                bad = bad | ~torch.isfinite(loss.detach())
-                (loss * weight).backward()
-                sums.add_loss(loss, pl, share)
-        sums.into(acc)
-        return bad
-
-    def finish(self, acc, logprob_diff, *, finite: bool, weights_finite: bool = True) -> UpdateResult:
-        """The update's metrics, read from the device once."""
+    def finish(self, acc, *, finite: bool, weights_finite: bool = True) -> UpdateResult:
+        """The update's metrics (the loss terms' and the algorithm's), read from the device once."""
         self.transformer.eval()
         out: dict[str, Any] = {}
         on_device: list[tuple[str, torch.Tensor]] = []
@@ -318,11 +257,11 @@ class Learner:
         if RATIO_SQ_DEV in means:  # the update's ratio std, pooled (read with the rest, no extra sync)
             std = pooled_ratio_std(means["ratio_mean"], means[RATIO_SQ_DEV])
             on_device = [(k, v) for k, v in on_device if k != RATIO_SQ_DEV] + [("ratio_std", std)]
-        for k, d in enumerate(logprob_diff):
-            if d is None:
-                out[f"logprob_diff/step{k}"] = 0.0
+        for key, value in self.algorithm.metrics().items():
+            if isinstance(value, torch.Tensor):
+                on_device.append((key, value.double()))
             else:
-                on_device.append((f"logprob_diff/step{k}", d.double()))
+                out[key] = value
         if on_device:  # one read of everything the update measured on the device
             out.update(
                 zip([k for k, _ in on_device], torch.stack([v for _, v in on_device]).tolist(), strict=True)
@@ -370,39 +309,48 @@ class Learner:
         base = self.config.model.path or self.config.model.tiny_path
         return adapter_config(self.transformer, base_model_name_or_path=base)
 
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """AdamW state keyed by parameter name (full tensors, also under FSDP2) plus hyper-parameters."""
-        if not self.optimizer.state:
-            # Before the first step: torch's state-dict API would initialise the state (a zero step),
-            # so a snapshot (the preflight's) would change what it reads.
+    def state_dict(self, lora: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """What a checkpoint keeps of the learner, on the CPU (collectives under FSDP: every rank calls it).
+
+        ``lora``, ``lora_config``: the whole LoRA (float32, file keys; ``lora``: already gathered, or
+        gathered now) and its adapter config; ``optimizer_tensors``, ``optimizer_meta``: AdamW's state by
+        ``"<parameter name>::<field>"`` (full tensors, also under FSDP2) and its hyper-parameters;
+        ``ema``; ``old``: DiffusionNFT's old policy (file keys) or None; ``counters``.
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        if self.optimizer.state:
+            sd = full_optimizer_state(self.transformer, self.optimizer)
+            for name, state in sd["state"].items():
+                for key, value in state.items():
+                    tensors[f"{name}::{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
+            groups = [
+                {k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
+                for g in sd["param_groups"]
+            ]
+        else:
+            # Before the first step torch's state-dict API would initialise the state (a zero step), so
+            # a snapshot (the preflight's) would change what it reads: only the hyper-parameters.
+            names = {id(p): n for n, p in zip(self.param_names, self.params)}
             groups = [
                 {k: v for k, v in g.items() if k != "params"}
-                | {"params": [self._names[id(p)] for p in g["params"]]}
+                | {"params": [names[id(p)] for p in g["params"]]}
                 for g in self.optimizer.param_groups
             ]
-            return {}, {"param_groups": groups, "names": self.param_names}
-        sd = full_optimizer_state(self.transformer, self.optimizer)
-        tensors: dict[str, torch.Tensor] = {}
-        for name, state in sd["state"].items():
-            for key, value in state.items():
-                tensors[f"{name}::{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
-        groups = [
-            {k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
-            for g in sd["param_groups"]
-        ]
-        return tensors, {"param_groups": groups, "names": self.param_names}
+        full = self.full_lora() if lora is None else lora
+        return {
+            "lora": {k: v.float().cpu() for k, v in full.items()},
+            "lora_config": self.adapter_config(),
+            "optimizer_tensors": tensors,
+            "optimizer_meta": {"param_groups": groups, "names": self.param_names},
+            "ema": None if self.ema is None else {k: v.cpu() for k, v in self.ema.items()},
+            "old": None,
+            "counters": dict(self.counters),
+        } | self.algorithm.state_dict()
 
-    def load(
-        self,
-        lora: dict[str, torch.Tensor],
-        optimizer_tensors: dict[str, torch.Tensor],
-        optimizer_meta: dict[str, Any],
-        ema: dict[str, torch.Tensor] | None,
-        counters: dict[str, int],
-        old: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Put a checkpoint's LoRA (float32), AdamW state, EMA, NFT old policy and counters back (also
-        into FSDP2 shards)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a `state_dict` back: the LoRA (float32), AdamW state, EMA, the algorithm's state (NFT's
+        old policy) and the counters (also into FSDP2 shards). ``lora_config`` is not read."""
+        lora, optimizer_meta = state["lora"], state["optimizer_meta"]
         # The LoRA first: its error names what differs (`check_lora_state`, shared with boogu-sample).
         check_lora_state(
             {
@@ -417,75 +365,39 @@ class Learner:
             raise ValueError(
                 "the checkpoint's optimizer was built for different LoRA parameters than this model's"
             )
+        # Before the LoRA: DiffusionNFT loads its old policy through the module.
+        self.algorithm.load_state_dict(state)
         by_file_key = {lora_file_key(n): n for n in self.param_names if is_lora_param(n)}
-        if self.old is not None:
-            if old is None:
-                raise ValueError(
-                    "algorithm.name=diffusion_nft but the checkpoint has no old policy (old_policy.safetensors)"
-                )
-            if set(old) != set(lora):
-                raise ValueError("the checkpoint's old policy has other LoRA keys than its LoRA")
-            # Through the module, so the values land in this rank's shards like the LoRA's own.
-            old_sd = {by_file_key[k]: v.to(device=self.device, dtype=torch.float32) for k, v in old.items()}
-            load_full_state(self.transformer, old_sd)
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [local_tensor(o) for o in self.old], [local_tensor(p.detach()) for p in self.params]
-                )
         model_sd = {by_file_key[k]: v.to(device=self.device, dtype=torch.float32) for k, v in lora.items()}
         load_full_state(self.transformer, model_sd)
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in optimizer_tensors.items():
+        optim_state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state["optimizer_tensors"].items():
             name, field = key.rsplit("::", 1)
-            state.setdefault(name, {})[field] = value.to(self.device) if value.dim() > 0 else value
+            optim_state.setdefault(name, {})[field] = value.to(self.device) if value.dim() > 0 else value
         groups = [
             {**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g)
             for g in optimizer_meta["param_groups"]
         ]
-        if state:
-            load_full_state(self.transformer, {}, self.optimizer, {"state": state, "param_groups": groups})
+        self.optimizer.zero_grad(set_to_none=True)  # a put-back state has no gradients (the preflight's)
+        if optim_state:
+            load_full_state(
+                self.transformer, {}, self.optimizer, {"state": optim_state, "param_groups": groups}
+            )
             # Loading first initialises a state for every parameter (a zero-gradient step); a parameter
             # that had never received a gradient (e.g. the reference-image refiner in a T2I run) must
             # stay without one, or its first real update would use a different Adam step count.
             for name, param in zip(self.param_names, self.params):
-                if name not in state:
+                if name not in optim_state:
                     self.optimizer.state.pop(param, None)
         else:  # saved before the first step: no state, only the hyper-parameters
             self.optimizer.state.clear()
             for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
         if self.config.ema.enabled:
+            ema = state.get("ema")
             if ema is None:
                 raise ValueError("ema.enabled=true but the checkpoint has no EMA weights")
             self.ema = {
                 k: v.to(self.device, torch.float32, copy=True) for k, v in ema.items()
             }  # never aliased
-        self.counters = defaultdict(int, counters)
-        self.old_is_current = not self.counters.get("old_lags", 0)
-
-    def state_dict(self, full_lora: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-        """LoRA (file keys, float32), its peft config, AdamW state, EMA, NFT old policy and counters;
-        ``full_lora``: the whole LoRA if already gathered. A collective under FSDP."""
-        tensors, meta = self.optimizer_state()
-        lora = full_lora if full_lora is not None else self.full_lora()
-        old = self.old_state()
-        return {
-            "lora": {k: v.float().cpu() for k, v in lora.items()},
-            "lora_config": self.adapter_config(),
-            "optimizer_tensors": tensors,
-            "optimizer_meta": meta,
-            "ema": None if self.ema is None else {k: v.cpu() for k, v in self.ema.items()},
-            "old": None if old is None else {k: v.float().cpu() for k, v in old.items()},
-            "counters": dict(self.counters),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.load(
-            state["lora"],
-            state["optimizer_tensors"],
-            state["optimizer_meta"],
-            state["ema"],
-            state["counters"],
-            old=state["old"],
-        )
+        self.counters = defaultdict(int, state["counters"])

@@ -478,7 +478,7 @@ class Trainer:
                 "nonfinite_streak": self.nonfinite_streak,
                 "weights_version": self.engine.weights_version,
             },
-            "learner": self.learner.state_dict(full_lora=self._full_lora()),
+            "learner": self.learner.state_dict(lora=self._full_lora()),
             "data": self.data.state_dict(),
             "gold": self.gold.state_dict(),
             "totals": self.step_metrics.state_dict(),

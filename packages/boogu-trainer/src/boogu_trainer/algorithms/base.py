@@ -1,0 +1,146 @@
+"""What every algorithm implements for the `Learner`, and what the two share.
+
+The `Learner` runs the one loop of an update: for each of ``inner_epochs`` passes and each
+mini-batch, zero the gradients, then for each micro-batch of the mini-batch's rows run the
+algorithm's `Algorithm.losses` and backward each term with the micro-batch's share of the mean over
+the mini-batch's rows and the terms (window steps or noise levels); then one optimizer step. An
+algorithm says what an update needs before its first optimizer step (`Algorithm.begin`,
+`Algorithm.prepare`), the loss terms of one micro-batch, and what follows a finished update
+(`Algorithm.after_update`). It never steps the optimizer and never reads the loop's indices itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from boogu_trainer.losses import PolicyLoss
+
+if TYPE_CHECKING:
+    from boogu_adapters.training import TrainingAdapter
+    from boogu_trainer.config import AlgorithmConfig
+    from boogu_trainer.rollout import ScoredBatch
+
+PhaseCounter = Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+def nullphase(_: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    metrics: dict[str, Any]
+    """Averaged loss terms, ratio/clip statistics, grad norm, on-policy log-prob differences."""
+    finite: bool
+    """Every loss and gradient was finite (no optimizer step was skipped for non-finite values)."""
+    weights_finite: bool = True
+    """The LoRA stayed finite; False means the last update was undone (see `Learner`)."""
+
+
+@dataclass
+class Policy:
+    """What an algorithm trains: the module with its LoRA, the adapter's step functions, the device.
+
+    The `Learner` owns it and hands the same object to its algorithm; ``count_as`` is set later (by the
+    trainer, to its forward counter)."""
+
+    transformer: torch.nn.Module
+    adapter: TrainingAdapter
+    device: torch.device
+    params: list[torch.Tensor]
+    """The trainable LoRA parameters, in ``named_parameters`` order (sharded under FSDP)."""
+    param_names: list[str]
+    count_as: PhaseCounter = nullphase
+    """Names the phase of an algorithm's extra forwards ('reference', 'old') for the FE accounting."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One loss term of a micro-batch (a window step or a noise level), the mean over its rows."""
+
+    loss: torch.Tensor
+    """0-d: the objective plus ``kl_coef`` times the KL, if any; the `Learner` backwards it."""
+    policy: PolicyLoss
+    """The objective alone and its metrics (`losses.PolicyLoss`)."""
+    kl: torch.Tensor | None = None
+    """0-d KL to the reference (base) model, when ``algorithm.kl_coef > 0``."""
+
+
+def micro_batches(rows: torch.Tensor | list[int], size: int) -> list[list[int]]:
+    """``rows`` (host indices) in consecutive chunks of ``size`` (0: one chunk)."""
+    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    size = size or len(rows)
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+class Algorithm(ABC):
+    """One algorithm's part of the update (`boogu_trainer.algorithms` builds it from ``algorithm.name``)."""
+
+    name: ClassVar[str]
+    zero_advantage_has_no_gradient: ClassVar[bool] = True
+    """A row with ``A = 0`` adds nothing to the gradient without a KL, so one process may skip it."""
+
+    def __init__(self, config: AlgorithmConfig, seed: int, policy: Policy):
+        self.config = config
+        self.seed = seed
+        self.policy = policy
+
+    def begin(self, batch: ScoredBatch, step: int) -> None:
+        """Start an update on ``batch`` (``step``: the training step, 0-based); called first, also
+        for an update that then stops because no advantage is finite."""
+        return None
+
+    def prepare(self, schedule: list[list[int]]) -> None:
+        """Before the first optimizer step: ``schedule`` holds each mini-batch's local rows."""
+        return None
+
+    @abstractmethod
+    def num_terms(self, batch: ScoredBatch) -> int:
+        """Loss terms per micro-batch (window steps, noise levels): each is backwarded on its own."""
+
+    @abstractmethod
+    def losses(
+        self, batch: ScoredBatch, advantages: torch.Tensor, chunk: list[int], *, first: bool
+    ) -> Iterator[Term]:
+        """The `num_terms` loss terms of the micro-batch ``chunk`` (host row indices), one at a time
+        (each is backwarded before the next is computed). ``advantages``: (B,) float32, 0 where the
+        reward is not finite; ``first``: the update's first optimizer step (epoch 0, mini-batch 0),
+        whose weights are still those that rolled out."""
+
+    def metrics(self) -> dict[str, torch.Tensor | float]:
+        """The update's own metrics, beyond the loss terms' (device values are read with the rest)."""
+        return {}
+
+    def after_update(self, counters: dict[str, int]) -> None:
+        """After an update that kept the weights finite (``counters``: the learner's, to read and set)."""
+        return None
+
+    @contextlib.contextmanager
+    def sampling_policy(self) -> Iterator[None]:
+        """The module holds the rollout policy's weights inside the block (the current ones here)."""
+        yield
+
+    def state_dict(self) -> dict[str, Any]:
+        """The algorithm's saved state, merged into `Learner.state_dict` (none here)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put this algorithm's part of a `Learner.state_dict` back; called before the LoRA is loaded."""
+        return None
+
+
+__all__ = [
+    "Algorithm",
+    "PhaseCounter",
+    "Policy",
+    "Term",
+    "UpdateResult",
+    "micro_batches",
+    "nullphase",
+]

@@ -1,0 +1,84 @@
+"""FlowGRPO (``algorithm.name=flow_grpo``): the policy gradient on the rollout's SDE transitions.
+
+Every window step ``k`` of a micro-batch is recomputed through the same step function as the
+rollout (`TrainingAdapter.step_stats`) and contributes ``PPO-clip(exp(log p - log p_old), A)`` or
+GRPO-Guard's loss (``algorithm.loss``), plus ``kl_coef`` times the KL to the reference (base) model
+(``algorithm.kl_kind``), to a mean over the mini-batch's samples and the window's steps. The
+`Learner` runs the mini-batches, the backward of each term and the optimizer steps.
+
+Nothing inside the loops over micro-batches and window steps is read back from the device; the
+on-policy check (the first optimizer step's recomputed log-prob against the rollout's) stays on the
+device until the update's metrics are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from boogu_trainer.algorithms.base import Algorithm, Term
+from boogu_trainer.losses import grpo_guard_loss, kl_to_reference, policy_loss
+
+if TYPE_CHECKING:
+    from boogu_trainer.rollout import ScoredBatch
+
+
+class FlowGRPO(Algorithm):
+    """PPO-clip (``algorithm.loss=ppo_clip``) or GRPO-Guard (``grpo_guard``) per window step."""
+
+    name = "flow_grpo"
+
+    def begin(self, batch: ScoredBatch, step: int) -> None:
+        self.logprob_diff: list[torch.Tensor | None] = [None] * batch.trajectory.window_size
+        """Per window step: max |log p - log p_rollout| over the first optimizer step's rows (0-d)."""
+
+    def num_terms(self, batch: ScoredBatch) -> int:
+        return batch.trajectory.window_size
+
+    def losses(
+        self, batch: ScoredBatch, advantages: torch.Tensor, chunk: list[int], *, first: bool
+    ) -> Iterator[Term]:
+        a, policy = self.config, self.policy
+        adapter = policy.adapter
+        traj = batch.trajectory
+        chunk_advantages = adapter.rows(advantages, chunk)
+        for k in range(traj.window_size):
+            stats = adapter.step_stats(policy.transformer, traj, k, index=chunk)
+            old = adapter.rows(traj.log_prob, chunk)[:, k]
+            if first:
+                # Before any update the recomputed log-prob must equal the rollout's (on-policy check).
+                diff = (stats.log_prob.detach() - old).abs().max()
+                previous = self.logprob_diff[k]
+                self.logprob_diff[k] = diff if previous is None else torch.maximum(previous, diff)
+            step = adapter.rows(traj.step_index, chunk)[:, k]
+            dt = traj.sigmas[step + 1] - traj.sigmas[step]
+            if a.loss == "grpo_guard":
+                old_mean = adapter.rows(traj.mean, chunk)[:, k]
+                pl = grpo_guard_loss(
+                    stats.log_prob,
+                    old,
+                    stats.mean,
+                    old_mean,
+                    stats.std,
+                    dt,
+                    chunk_advantages,
+                    a.clip_range,
+                    sampler=traj.sampler,
+                )
+            else:
+                pl = policy_loss(stats.log_prob, old, chunk_advantages, a.clip_range)
+            loss, kl = pl.loss, None
+            if a.kl_coef > 0:
+                with torch.no_grad(), policy.count_as("reference"):
+                    ref = adapter.step_stats(policy.transformer, traj, k, index=chunk, use_adapters=False)
+                kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, a.kl_kind, traj.sampler).mean()
+                loss = loss + a.kl_coef * kl
+            yield Term(loss, pl, kl)
+
+    def metrics(self) -> dict[str, torch.Tensor | float]:
+        return {f"logprob_diff/step{k}": 0.0 if d is None else d for k, d in enumerate(self.logprob_diff)}
+
+
+__all__ = ["FlowGRPO"]
