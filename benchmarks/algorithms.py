@@ -50,7 +50,7 @@ from typing import Any
 from _common import environment, table, write_json
 
 from boogu_trainer.config import demo_config, load_config
-from boogu_trainer.loop import Trainer
+from boogu_trainer.trainer import Trainer
 
 TASK: list[str] = [
     "data.prompts_per_step=2",  # 2 prompts x 8 samples per step, the same for every algorithm

@@ -39,7 +39,7 @@ from boogu_adapters.model import (
 )
 from boogu_adapters.tiny import ensure_tiny_checkpoint
 from boogu_trainer.config import load_config
-from boogu_trainer.loop import Trainer
+from boogu_trainer.trainer import Trainer
 
 PRESETS = {"released": RELEASED_CONFIG, "mid": {**TINY_CONFIG, **MID_SIZE_OVERRIDES}, "tiny": TINY_CONFIG}
 

@@ -49,7 +49,7 @@ from _common import (
 )
 
 from boogu_adapters.components import build_local_engine
-from boogu_adapters.rollout import EngineStats
+from boogu_adapters.engines import EngineStats
 from boogu_adapters.types import RolloutRequest
 from boogu_schedule import WindowPlan
 from boogu_trainer.data import demo_records

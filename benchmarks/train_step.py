@@ -1,6 +1,6 @@
 """Time split of one full FlowGRPO trainer step and the share spent inside model forwards/backwards.
 
-Builds a ``boogu_trainer.loop.Trainer`` on the mid-size random transformer (TINY_CONFIG with hidden
+Builds a ``boogu_trainer.trainer.Trainer`` on the mid-size random transformer (TINY_CONFIG with hidden
 256, 4 double- + 4 single-stream blocks, ~23 M parameters; the tiny checkpoint's Qwen3-VL encoder,
 VAE and processor; 512x512 images = 64x64 latents), injected with ``Trainer(config, parts=...)``,
 with the cheap ``demo_brightness`` reward. After one warm-up step (same code paths, 3 denoising
@@ -55,7 +55,7 @@ from _common import (
 )
 
 from boogu_trainer.config import load_config
-from boogu_trainer.loop import Trainer
+from boogu_trainer.trainer import Trainer
 
 TARGET_SHARE = 0.85
 PHASES = ("rollout", "reward", "train", "sync")

@@ -35,9 +35,9 @@ HOST_COPIES = {"host_to_device", "host_tensor"}
 # The functions whose loop bodies run once per denoising step, micro-batch, window step or level.
 LOOP_FUNCTIONS = {
     "boogu-schedule/src/boogu_schedule/sampling.py": {"sample_windowed", "initial_noise"},
-    "boogu-adapters/src/boogu_adapters/rollout.py": {"generate", "encode"},
+    "boogu-adapters/src/boogu_adapters/engines.py": {"generate", "encode"},
     "boogu-adapters/src/boogu_adapters/step.py": None,  # every function
-    "boogu-adapters/src/boogu_adapters/training.py": None,
+    "boogu-adapters/src/boogu_adapters/recompute.py": None,
     "boogu-adapters/src/boogu_adapters/model/transformer.py": None,
     "boogu-adapters/src/boogu_adapters/model/attention.py": None,
     "boogu-adapters/src/boogu_adapters/model/blocks.py": None,
@@ -47,7 +47,7 @@ LOOP_FUNCTIONS = {
     "boogu-trainer/src/boogu_trainer/algorithms/diffusion_nft.py": None,
     "boogu-trainer/src/boogu_trainer/algorithms/awm.py": None,
     "boogu-trainer/src/boogu_trainer/evaluation.py": {"evaluate"},
-    "boogu-trainer/src/boogu_trainer/rollout.py": {"run"},
+    "boogu-trainer/src/boogu_trainer/scoring.py": {"run"},
     "boogu-vllm/src/boogu_vllm/pipeline.py": None,
 }
 

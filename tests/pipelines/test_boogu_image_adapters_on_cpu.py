@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boogu_adapters.rollout import LocalRolloutEngine
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.engines import LocalRolloutEngine
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import Conditioning, RolloutRequest
 from boogu_schedule import BooguScheduleConfig, WindowPlan
 from tests.pipelines.conftest import FakeCodec, RecordingTransformer, fake_encoder, record
@@ -39,7 +39,7 @@ def test_negation_and_cfg_reach_the_step(step_recorder):
     model = RecordingTransformer(pos_value=2.0, neg_value=1.0)
     traj = _trajectory(model, [record()])
     step_recorder.calls.clear()
-    TrainingAdapter([]).step_stats(model, traj, 0)
+    TransitionRecompute([]).step_stats(model, traj, 0)
     (call,) = step_recorder.calls
     assert torch.equal(call["velocity"], torch.full_like(call["velocity"], -5.0))  # -(2 + 3 (2 - 1))
     assert torch.equal(call["prev_sample"], traj.latents[:, 1])
@@ -50,7 +50,7 @@ def test_step_inputs_are_float32_under_a_bf16_model(step_recorder):
     traj = _trajectory(model, [record()])
     step_recorder.calls.clear()
     model.calls.clear()
-    TrainingAdapter([]).step_stats(model, traj, 1)
+    TransitionRecompute([]).step_stats(model, traj, 1)
     (call,) = step_recorder.calls
     for key in ("sample", "velocity", "sigma", "sigma_next", "prev_sample"):
         assert call[key].dtype == torch.float32, key
@@ -61,7 +61,7 @@ def test_t2i_passes_no_reference_latents():
     model = RecordingTransformer()
     traj = _trajectory(model, [record()])
     model.calls.clear()
-    TrainingAdapter([]).step_stats(model, traj, 0)
+    TransitionRecompute([]).step_stats(model, traj, 0)
     assert all(c["refs"] is None for c in model.calls)
 
 
@@ -69,7 +69,7 @@ def test_edit_wraps_reference_latents_and_shares_them_with_the_negative_branch()
     model = RecordingTransformer()
     traj = _trajectory(model, [record(ref=b"png-bytes")], cfg_mode="sequential", codec=FakeCodec())
     model.calls.clear()
-    TrainingAdapter([]).step_stats(model, traj, 0)
+    TransitionRecompute([]).step_stats(model, traj, 0)
     pos, neg = model.calls
     assert pos["marker"].gt(0).all() and neg["marker"].lt(0).all()
     assert pos["refs"] is neg["refs"]  # the very same list object for both branches
@@ -92,4 +92,4 @@ def test_guidance_without_negative_features_is_refused():
     traj = _trajectory(model, [record()], guidance=1.0)
     forged = traj.__class__(**{**traj.__dict__, "guidance_scale": 4.0})
     with pytest.raises(ValueError, match="negative prompt features"):
-        TrainingAdapter([]).step_stats(model, forged, 0)
+        TransitionRecompute([]).step_stats(model, forged, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from boogu_adapters.rollout import LocalRolloutEngine
+from boogu_adapters.engines import LocalRolloutEngine
 from boogu_adapters.types import RolloutRequest
 from boogu_schedule import (
     DEFAULT_GUIDANCE_SCALE,

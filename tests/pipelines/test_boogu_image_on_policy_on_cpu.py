@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.lora import WeightSyncError, add_lora, lora_fingerprint, lora_state_dict
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_schedule import WindowPlan
@@ -70,7 +70,7 @@ def test_training_recomputes_the_rollout_log_prob_bitwise(lora_parts, records, c
         2,
         1,
     )  # once per group, not per sample
-    adapter = TrainingAdapter(engine.freqs_cis)
+    adapter = TransitionRecompute(engine.freqs_cis)
     for k in range(traj.window_size):
         full = adapter.step_stats(model, traj, k)
         assert torch.equal(full.log_prob, traj.log_prob[:, k])
@@ -161,7 +161,7 @@ def test_bf16_model_float32_trajectory_and_on_policy_log_probs(tiny_checkpoint):
         )
     )
     assert traj.latents.dtype == traj.log_prob.dtype == torch.float32
-    adapter = TrainingAdapter(engine.freqs_cis)
+    adapter = TransitionRecompute(engine.freqs_cis)
     for k in range(2):
         again = adapter.step_stats(model, traj, k)
         torch.testing.assert_close(again.log_prob, traj.log_prob[:, k], rtol=0, atol=1e-6)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boogu_adapters.rollout import LocalRolloutEngine
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.engines import LocalRolloutEngine
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import RolloutRequest
 from boogu_schedule import BooguScheduleConfig, WindowPlan, boogu_sigmas
 from tests.pipelines.conftest import RecordingTransformer, fake_encoder, record
@@ -117,7 +117,7 @@ def test_degenerate_window_reports_no_trajectory():
     _, traj = _run(model, steps=1, window=WindowPlan(size=None), guidance=1.0)
     assert traj.window_size == 0 and traj.log_prob.shape == (1, 0)
     with pytest.raises(ValueError, match="empty SDE window"):
-        TrainingAdapter([]).step_stats(model, traj, 0)
+        TransitionRecompute([]).step_stats(model, traj, 0)
 
 
 def test_group_shares_one_encoding_and_one_window():

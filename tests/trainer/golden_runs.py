@@ -105,7 +105,7 @@ def run_case(name: str, tiny_checkpoint: Path, work: Path) -> dict[str, str]:
     """Train case ``name`` in ``work``; the sha256 of each hashed file of its final checkpoint."""
     from boogu_trainer.checkpoint import checkpoint_folders
     from boogu_trainer.config import demo_config, load_config
-    from boogu_trainer.loop import Trainer
+    from boogu_trainer.trainer import Trainer
 
     extra = list(CASES[name])
     if "EDIT" in extra:

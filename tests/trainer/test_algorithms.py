@@ -18,7 +18,7 @@ from boogu_trainer.config import FORWARD_OPTIONS_KEYS, demo_config, load_config
 from boogu_trainer.data import demo_records
 from boogu_trainer.distributed import local_tensor
 from boogu_trainer.evaluation import Evaluator
-from boogu_trainer.loop import Trainer
+from boogu_trainer.trainer import Trainer
 
 FORWARD = ["sampler.window_size=0", "sampler.guidance_scale=1.0", "algorithm.mini_batches=1"]
 

@@ -7,8 +7,8 @@ import pytest
 
 from boogu_data import PromptRecord, write_records
 from boogu_trainer.cli import main
-from boogu_trainer.loop import Trainer
 from boogu_trainer.metrics import reward_verdict, summarize_rewards
+from boogu_trainer.trainer import Trainer
 from tests.trainer.test_data import LONG_PROMPT
 from tests.trainer.test_loop import small_config
 

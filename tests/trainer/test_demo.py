@@ -9,8 +9,8 @@ import json
 import pytest
 
 from boogu_trainer.config import demo_config, load_config
-from boogu_trainer.loop import Trainer
 from boogu_trainer.metrics import summarize_rewards
+from boogu_trainer.trainer import Trainer
 
 
 @pytest.mark.slow

@@ -21,8 +21,8 @@ from boogu_trainer.checkpoint import (
 from boogu_trainer.config import load_config
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.evaluation import GoldTracker
-from boogu_trainer.loop import Trainer, TrainingStopped
-from boogu_trainer.rollout import reward_metrics
+from boogu_trainer.scoring import reward_metrics
+from boogu_trainer.trainer import Trainer, TrainingStopped
 from tests.trainer.test_loop import small_config
 
 HERE = "tests.trainer.test_eval_gold"

@@ -191,7 +191,7 @@ def test_reference_placeholder_changes_no_output():
 
 def test_several_ranks_without_fsdp_are_refused(tmp_path):
     from boogu_trainer.config import ConfigError, load_config
-    from boogu_trainer.loop import Trainer
+    from boogu_trainer.trainer import Trainer
 
     config = load_config(None, [f"logging.run_dir={tmp_path}", "distributed.fsdp=false", "preflight=false"])
     env = DistEnv(rank=0, world_size=2, device=torch.device("cpu"))

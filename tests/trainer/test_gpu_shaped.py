@@ -18,13 +18,13 @@ from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.lora import InputDtypeLinear, add_lora, compute_lora_in_input_dtype, lora_state_dict
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_schedule import WindowPlan
 from boogu_trainer.config import config_changes, config_to_dict, load_config
-from boogu_trainer.loop import Trainer
 from boogu_trainer.models import resolve_dtype
+from boogu_trainer.trainer import Trainer
 from tests.host_sync import HostSyncGuard, no_tolist
 
 PROMPTS = [
@@ -311,7 +311,7 @@ def test_bfloat16_rollout_and_recomputation_take_the_same_path(tiny_checkpoint):
     engine = build_local_engine(dataclasses.replace(parts, transformer=model), max_sequence_length=256)
     traj = engine.generate(_request(decode=False))
     assert traj.latents.dtype == traj.log_prob.dtype == torch.float32
-    adapter = TrainingAdapter(engine.freqs_cis)
+    adapter = TransitionRecompute(engine.freqs_cis)
     for k in range(traj.window_size):
         again = adapter.step_stats(model, traj, k)
         assert torch.equal(again.log_prob, traj.log_prob[:, k])

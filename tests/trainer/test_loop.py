@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.checkpoint import CheckpointError, checkpoint_folders, load_checkpoint
 from boogu_trainer.config import load_config
-from boogu_trainer.loop import Trainer, TrainingStopped
 from boogu_trainer.preflight import CPU_LOGPROB_RTOL
+from boogu_trainer.trainer import Trainer, TrainingStopped
 
 
 def small_config(tiny_checkpoint, run_dir, *overrides):
@@ -312,7 +312,7 @@ def test_inner_epochs_take_one_optimizer_step_per_mini_batch_and_epoch(tiny_chec
 
 
 def test_sinks_are_closed_and_live_on_rank_zero_only(tiny_checkpoint, tmp_path, monkeypatch):
-    from boogu_trainer import loop
+    from boogu_trainer import trainer as trainer_module
     from boogu_trainer.metrics import MetricsLogger
 
     closed = []
@@ -322,7 +322,7 @@ def test_sinks_are_closed_and_live_on_rank_zero_only(tiny_checkpoint, tmp_path, 
             closed.append(self.is_main)
             super().close()
 
-    monkeypatch.setattr(loop, "MetricsLogger", Recording)
+    monkeypatch.setattr(trainer_module, "MetricsLogger", Recording)
     Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=1")).train()
     assert closed == [True]
     silent = MetricsLogger(tmp_path / "rank1", is_main=False, tensorboard=True, wandb=True)

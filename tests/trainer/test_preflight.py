@@ -8,12 +8,12 @@ import tempfile
 import pytest
 import torch
 
+from boogu_adapters.engines import RelabelableEngine
 from boogu_adapters.lora import lora_state_dict
-from boogu_adapters.rollout import RelabelableEngine
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.cli import main
-from boogu_trainer.loop import Trainer
 from boogu_trainer.preflight import CHECKS, PreflightError, check_weight_sync, run_preflight
+from boogu_trainer.trainer import Trainer
 from tests.trainer.test_loop import small_config
 
 
@@ -141,13 +141,13 @@ def test_an_engine_that_records_the_version_but_loads_nothing_is_a_named_stop(tr
 
 
 def test_a_recomputed_logprob_that_differs_is_a_named_stop(trainer, monkeypatch):
-    real = trainer.learner.adapter.step_stats
+    real = trainer.learner.recompute.step_stats
 
     def off_policy(*args, **kwargs):
         stats = real(*args, **kwargs)
         return type(stats)(log_prob=stats.log_prob + 1e-3, mean=stats.mean, std=stats.std)
 
-    monkeypatch.setattr(trainer.learner.adapter, "step_stats", off_policy)
+    monkeypatch.setattr(trainer.learner.recompute, "step_stats", off_policy)
     with pytest.raises(PreflightError, match="ratio is not 1") as info:
         run_preflight(trainer)
     assert info.value.check == "on_policy_ratio"

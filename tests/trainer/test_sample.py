@@ -31,7 +31,7 @@ from boogu_adapters.step import boogu_velocity
 from boogu_data import PromptRecord
 from boogu_trainer import sample as sample_cli
 from boogu_trainer.checkpoint import DIFFUSERS_LORA_NAME, MANIFEST, CheckpointError, verify_checkpoint
-from boogu_trainer.loop import Trainer
+from boogu_trainer.trainer import Trainer
 from tests.data.helpers import read_only_storage
 
 from .test_loop import small_config

@@ -29,7 +29,7 @@ from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.lora import WeightSyncError, add_lora, lora_fingerprint, lora_state_dict
 from boogu_adapters.model import LORA_TARGET_MODULES
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_adapters.vllm_engine import RolloutWorkerError, VllmOmniRolloutEngine, default_project_dir
 from boogu_data import PromptRecord
@@ -163,7 +163,7 @@ def test_lora_sync_round_trip(worker, base_engine, tiny_checkpoint):
     for p in lora:
         p.requires_grad_(True)
     optim = torch.optim.AdamW(lora, lr=5e-2)
-    stats = TrainingAdapter(local.freqs_cis).step_stats(model, traj, 0)
+    stats = TransitionRecompute(local.freqs_cis).step_stats(model, traj, 0)
     (-stats.log_prob.mean()).backward()
     optim.step()
     state = {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
@@ -218,7 +218,7 @@ def test_clear_errors(worker, tiny_checkpoint, tmp_path):
 def test_two_steps_train_and_resume_exactly(worker, tiny_checkpoint, tmp_path):
     """A CPU run with rollout.engine=vllm_omni (its preflight included): 2 steps, then a resume from
     step 1 repeats step 2 bitwise."""
-    from boogu_trainer.loop import Trainer
+    from boogu_trainer.trainer import Trainer
     from tests.trainer.test_loop import small_config
 
     def config(run_dir, *extra):

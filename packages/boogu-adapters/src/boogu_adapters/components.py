@@ -20,9 +20,9 @@ from boogu_adapters.encoding import (
     fit_size,
     num_instruction_feature_layers,
 )
+from boogu_adapters.engines import LocalRolloutEngine
 from boogu_adapters.loading import BooguParts
 from boogu_adapters.model import get_freqs_cis
-from boogu_adapters.rollout import LocalRolloutEngine
 from boogu_adapters.step import CfgMode
 from boogu_protocol import MAX_SEQUENCE_LENGTH
 from boogu_schedule.sampling import reference_generator
@@ -88,7 +88,7 @@ class QwenPromptEncoder:
 
 
 class VaeCodec:
-    """The FLUX VAE as the rollout engine's :class:`~boogu_adapters.rollout.ImageCodec`."""
+    """The FLUX VAE as the rollout engine's :class:`~boogu_adapters.engines.ImageCodec`."""
 
     def __init__(self, vae, vae_scale_factor: int = 8, *, sample_references: bool = True):
         self.vae, self.factor = vae, vae_scale_factor

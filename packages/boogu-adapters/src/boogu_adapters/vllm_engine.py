@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from boogu_adapters.engines import EngineBookkeeping, EngineStats
 from boogu_adapters.lora import WeightSyncError
-from boogu_adapters.rollout import EngineBookkeeping, EngineStats
 from boogu_adapters.types import Conditioning, RolloutRequest, Trajectory
 from boogu_protocol import (
     PROTOCOL_VERSION,

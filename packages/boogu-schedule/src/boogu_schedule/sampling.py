@@ -3,7 +3,7 @@
 A rollout engine supplies a velocity function (its transformer, its CFG) and this module does the
 rest exactly one way: per-group random streams, the SDE window per group, float32 initial noise,
 Euler steps outside the window, SDE steps with log-probabilities inside it, and the window's
-latents, means, stds and log-probs. The in-process engine (``boogu_adapters.rollout``) and the
+latents, means, stds and log-probs. The in-process engine (``boogu_adapters.engines``) and the
 vllm-omni pipeline (``packages/boogu-vllm``) both call :func:`sample_windowed`, so same weights and
 seeds give the same trajectory whichever engine rolled it out.
 

@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 def preflight_only(config: TrainerConfig) -> int:
     """``--preflight``: build the trainer (no run folder is written), run the checks, print the report."""
     from boogu_trainer.distributed import DistEnv
-    from boogu_trainer.loop import Trainer
     from boogu_trainer.preflight import PreflightError, run_preflight
+    from boogu_trainer.trainer import Trainer
 
     _quiet_libraries()
     dist = DistEnv.from_environment(
@@ -185,9 +185,9 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     from boogu_adapters.vllm_engine import RolloutWorkerError
     from boogu_trainer.checkpoint import CheckpointError
     from boogu_trainer.distributed import RECORD_ENV, CollectiveTimeout, DistEnv, record_collectives
-    from boogu_trainer.loop import Trainer, TrainingStopped
     from boogu_trainer.metrics import reward_verdict, summarize_rewards
     from boogu_trainer.preflight import PreflightError
+    from boogu_trainer.trainer import Trainer, TrainingStopped
 
     _quiet_libraries()
     dist = DistEnv.from_environment(

@@ -86,7 +86,7 @@ LOOP_FUNCTIONS = frozenset(
     {
         "sample_windowed",  # the denoising loop (boogu_schedule.sampling)
         "boogu_velocity",  # every transformer call of a rollout or an update (boogu_adapters.step)
-        "step_stats",  # FlowGRPO's recomputed transition (boogu_adapters.training)
+        "step_stats",  # FlowGRPO's recomputed transition (boogu_adapters.recompute)
         "_accumulate",  # the update's micro-batch x loss-term loop (boogu_trainer.learner)
         "losses",  # an algorithm's loss terms of one micro-batch (boogu_trainer.algorithms)
         "precompute_old",  # DiffusionNFT / AWM's old values (boogu_trainer.algorithms.renoise)
@@ -1240,7 +1240,7 @@ def run_case(
 
     from boogu_trainer.data import PromptSampler, demo_records
     from boogu_trainer.distributed import DistEnv
-    from boogu_trainer.loop import Trainer
+    from boogu_trainer.trainer import Trainer
 
     name = f"{algorithm}-{'edit' if edit else 't2i'}"
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from boogu_adapters.rollout import LocalRolloutEngine
+from boogu_adapters.engines import LocalRolloutEngine
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_file, atomic_write_text

@@ -30,7 +30,7 @@ from boogu_adapters.lora import (
     lora_file_key,
     lora_state_dict,
 )
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_trainer.algorithms import Algorithm, DiffusionNFT, Policy, UpdateResult, build_algorithm
 from boogu_trainer.algorithms.base import PhaseCounter, micro_batches
 from boogu_trainer.config import TrainerConfig
@@ -42,7 +42,7 @@ from boogu_trainer.distributed import (
     local_tensor,
 )
 from boogu_trainer.losses import RATIO_SQ_DEV, MetricSums, pooled_ratio_std
-from boogu_trainer.rollout import ScoredBatch
+from boogu_trainer.scoring import ScoredBatch
 
 
 def mini_batch_rows(group_id: torch.Tensor, group_size: int, mini_batches: int) -> list[list[int]]:
@@ -70,13 +70,13 @@ class Learner:
         self,
         config: TrainerConfig,
         transformer: torch.nn.Module,
-        adapter: TrainingAdapter,
+        recompute: TransitionRecompute,
         dist: DistEnv,
         device: torch.device,
     ):
         self.config = config
         self.transformer = transformer
-        self.adapter = adapter
+        self.recompute = recompute
         self.dist = dist
         self.device = device
         named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
@@ -91,7 +91,7 @@ class Learner:
             {k: v.float().clone() for k, v in self.full_lora().items()} if config.ema.enabled else None
         )
         self._snapshot: list[torch.Tensor] | None = None
-        self.policy = Policy(transformer, adapter, device, self.params, self.param_names)
+        self.policy = Policy(transformer, recompute, device, self.params, self.param_names)
         self.algorithm: Algorithm = build_algorithm(config.algorithm, config.seed, self.policy)
 
     @property

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from boogu_adapters.engines import RelabelableEngine
 from boogu_adapters.lora import is_lora_b
 from boogu_adapters.model import LORA_TARGET_MODULES
-from boogu_adapters.rollout import RelabelableEngine
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_schedule import WindowPlan, derive_seed
 from boogu_trainer.distributed import local_tensor
@@ -51,13 +51,13 @@ from boogu_trainer.evaluation import deterministic_request
 from boogu_trainer.perf import unwrap_transformer
 
 if TYPE_CHECKING:
-    from boogu_adapters.rollout import RolloutEngine
+    from boogu_adapters.engines import RolloutEngine
     from boogu_trainer.config import TrainerConfig
     from boogu_trainer.data import PromptSampler
     from boogu_trainer.distributed import DistEnv
     from boogu_trainer.learner import Learner
     from boogu_trainer.rewards.composite import WeightedRewards
-    from boogu_trainer.rollout import RolloutScorer
+    from boogu_trainer.scoring import RolloutScorer
 
 logger = logging.getLogger("boogu_trainer")
 
@@ -84,7 +84,7 @@ _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.
 
 
 class PreflightTarget(Protocol):
-    """What the preflight uses of a trainer (`boogu_trainer.loop.Trainer` is one): its components, the
+    """What the preflight uses of a trainer (`boogu_trainer.trainer.Trainer` is one): its components, the
     weight publishing, and its state as a checkpoint takes it."""
 
     config: TrainerConfig
@@ -404,8 +404,8 @@ def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tup
     try:
         for k in range(traj.window_size):
             for chunk in chunks:
-                stats = learner.adapter.step_stats(transformer, traj, k, index=chunk)
-                old = learner.adapter.rows(traj.log_prob, chunk)[:, k]
+                stats = learner.recompute.step_stats(transformer, traj, k, index=chunk)
+                old = learner.recompute.rows(traj.log_prob, chunk)[:, k]
                 diff = torch.maximum(diff, (stats.log_prob.detach().double() - old.double()).abs().max())
                 scale = torch.maximum(scale, old.double().abs().max())
                 (stats.log_prob.mean() * len(chunk) / traj.batch_size).backward()

@@ -8,7 +8,7 @@ boogu-sample --checkpoint DIR --merge-to MERGED                     a model fold
 Sampling is the evaluation path (`boogu_trainer.evaluation`): deterministic ODE steps
 (``noise_level=0``, no SDE window), text CFG, the run's own config (``config.yaml`` in the
 checkpoint) for the model, size, steps and guidance unless given. Image ``k`` of prompt ``i``
-draws its noise from the stream ``(seed, i)`` (`boogu_adapters.rollout`), so the same prompt and
+draws its noise from the stream ``(seed, i)`` (`boogu_adapters.engines`), so the same prompt and
 seed give the same starting noise with and without ``--no-lora``: before/after is two commands.
 
 ``--merge-to`` writes a complete Boogu checkpoint folder: the transformer's weights with

@@ -22,7 +22,7 @@ from boogu_trainer.perf import FlopMeter, peak_tflops, step_perf, unwrap_transfo
 
 if TYPE_CHECKING:
     from boogu_trainer.learner import UpdateResult
-    from boogu_trainer.rollout import ScoredBatch
+    from boogu_trainer.scoring import ScoredBatch
 
 TOTALS = ("fe", "backward", "tflops", "images", "time_s")
 """The run's cumulative totals, all ranks: forward-equivalents, backwards, model TFLOP, images, seconds."""

@@ -22,9 +22,9 @@ import torch
 from boogu_trainer.losses import PolicyLoss
 
 if TYPE_CHECKING:
-    from boogu_adapters.training import TrainingAdapter
+    from boogu_adapters.recompute import TransitionRecompute
     from boogu_trainer.config import AlgorithmConfig
-    from boogu_trainer.rollout import ScoredBatch
+    from boogu_trainer.scoring import ScoredBatch
 
 PhaseCounter = Callable[[str], contextlib.AbstractContextManager[None]]
 
@@ -45,13 +45,13 @@ class UpdateResult:
 
 @dataclass
 class Policy:
-    """What an algorithm trains: the module with its LoRA, the adapter's step functions, the device.
+    """What an algorithm trains: the module with its LoRA, the window-step recomputation, the device.
 
     The `Learner` owns it and hands the same object to its algorithm; ``count_as`` is set later (by the
     trainer, to its forward counter)."""
 
     transformer: torch.nn.Module
-    adapter: TrainingAdapter
+    recompute: TransitionRecompute
     device: torch.device
     params: list[torch.Tensor]
     """The trainable LoRA parameters, in ``named_parameters`` order (sharded under FSDP)."""

@@ -1,7 +1,7 @@
 """FlowGRPO (``algorithm.name=flow_grpo``): the policy gradient on the rollout's SDE transitions.
 
 Every window step ``k`` of a micro-batch is recomputed through the same step function as the
-rollout (`TrainingAdapter.step_stats`) and contributes ``PPO-clip(exp(log p - log p_old), A)`` or
+rollout (`TransitionRecompute.step_stats`) and contributes ``PPO-clip(exp(log p - log p_old), A)`` or
 GRPO-Guard's loss (``algorithm.loss``), plus ``kl_coef`` times the KL to the reference (base) model
 (``algorithm.kl_kind``), to a mean over the mini-batch's samples and the window's steps. The
 `Learner` runs the mini-batches, the backward of each term and the optimizer steps.
@@ -22,7 +22,7 @@ from boogu_trainer.algorithms.base import Algorithm, Term
 from boogu_trainer.losses import grpo_guard_loss, kl_to_reference, policy_loss
 
 if TYPE_CHECKING:
-    from boogu_trainer.rollout import ScoredBatch
+    from boogu_trainer.scoring import ScoredBatch
 
 
 class FlowGRPO(Algorithm):
@@ -41,21 +41,21 @@ class FlowGRPO(Algorithm):
         self, batch: ScoredBatch, advantages: torch.Tensor, chunk: list[int], *, first: bool
     ) -> Iterator[Term]:
         a, policy = self.config, self.policy
-        adapter = policy.adapter
+        recompute = policy.recompute
         traj = batch.trajectory
-        chunk_advantages = adapter.rows(advantages, chunk)
+        chunk_advantages = recompute.rows(advantages, chunk)
         for k in range(traj.window_size):
-            stats = adapter.step_stats(policy.transformer, traj, k, index=chunk)
-            old = adapter.rows(traj.log_prob, chunk)[:, k]
+            stats = recompute.step_stats(policy.transformer, traj, k, index=chunk)
+            old = recompute.rows(traj.log_prob, chunk)[:, k]
             if first:
                 # Before any update the recomputed log-prob must equal the rollout's (on-policy check).
                 diff = (stats.log_prob.detach() - old).abs().max()
                 previous = self.logprob_diff[k]
                 self.logprob_diff[k] = diff if previous is None else torch.maximum(previous, diff)
-            step = adapter.rows(traj.step_index, chunk)[:, k]
+            step = recompute.rows(traj.step_index, chunk)[:, k]
             dt = traj.sigmas[step + 1] - traj.sigmas[step]
             if a.loss == "grpo_guard":
-                old_mean = adapter.rows(traj.mean, chunk)[:, k]
+                old_mean = recompute.rows(traj.mean, chunk)[:, k]
                 pl = grpo_guard_loss(
                     stats.log_prob,
                     old,
@@ -72,7 +72,7 @@ class FlowGRPO(Algorithm):
             loss, kl = pl.loss, None
             if a.kl_coef > 0:
                 with torch.no_grad(), policy.count_as("reference"):
-                    ref = adapter.step_stats(policy.transformer, traj, k, index=chunk, use_adapters=False)
+                    ref = recompute.step_stats(policy.transformer, traj, k, index=chunk, use_adapters=False)
                 kl = kl_to_reference(stats.mean, ref.mean, stats.std, dt, a.kl_kind, traj.sampler).mean()
                 loss = loss + a.kl_coef * kl
             yield Term(loss, pl, kl)

@@ -40,7 +40,7 @@ from boogu_trainer.losses import PolicyLoss, velocity_kl
 if TYPE_CHECKING:
     from boogu_adapters.types import Conditioning, Trajectory
     from boogu_trainer.config import AlgorithmConfig
-    from boogu_trainer.rollout import ScoredBatch
+    from boogu_trainer.scoring import ScoredBatch
 
 
 class LevelPlan:
@@ -120,16 +120,16 @@ class ForwardProcessAlgorithm(Algorithm):
         scale, mode = (traj.guidance_scale, traj.cfg_mode) if guided else (1.0, "batched")
         policy = self.policy
         return boogu_velocity(
-            policy.transformer, x, sigma, cond, scale, policy.adapter.freqs_cis, cfg_mode=mode
+            policy.transformer, x, sigma, cond, scale, policy.recompute.freqs_cis, cfg_mode=mode
         )
 
     def inputs(self, rows: list[int], j: int) -> tuple[torch.Tensor, ...]:
         """x0, noise, sigma, x_sigma, target and the conditioning of ``rows`` at level ``j``."""
         traj = self.batch.trajectory
-        adapter = self.policy.adapter
-        x0 = adapter.rows(traj.final_latents, rows)
+        recompute = self.policy.recompute
+        x0 = recompute.rows(traj.final_latents, rows)
         noise = self.plan.noise(rows, j)
-        sigma = adapter.rows(self.plan.sigmas, rows)[:, j].contiguous()
+        sigma = recompute.rows(self.plan.sigmas, rows)[:, j].contiguous()
         x_sigma = forward_noise(x0, noise, sigma)
         return x0, noise, sigma, x_sigma, flow_target(x0, noise), traj.conditioning.select(rows)
 
@@ -167,7 +167,7 @@ class ForwardProcessAlgorithm(Algorithm):
     ) -> Iterator[Term]:
         a, policy = self.config, self.policy
         own = self.own_old_values(first)
-        adv = policy.adapter.rows(advantages, chunk)
+        adv = policy.recompute.rows(advantages, chunk)
         for j in range(self.plan.num_levels):
             x0, _, sigma, x_sigma, target, cond = self.inputs(chunk, j)
             v = self.velocity(x_sigma, sigma, cond)

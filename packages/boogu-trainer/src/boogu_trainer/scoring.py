@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from boogu_adapters.rollout import LocalRolloutEngine
+from boogu_adapters.engines import LocalRolloutEngine
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_data import PromptRecord
 from boogu_schedule import derive_seed

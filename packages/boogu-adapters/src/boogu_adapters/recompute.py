@@ -1,6 +1,6 @@
 """Recompute window transitions of a trajectory under the current (or the reference) policy.
 
-``TrainingAdapter.step_stats`` goes through :func:`boogu_adapters.step.transition`, the function
+``TransitionRecompute.step_stats`` goes through :func:`boogu_adapters.step.transition`, the function
 the local rollout engine's loop is made of, with the stored float32 latents, the stored schedule
 and step indices, the rollout's CFG scale and CFG batching, and ``prev_sample=`` the stored next
 latent. With the weights that produced the trajectory it reproduces the rollout's log-prob exactly.
@@ -30,7 +30,7 @@ class StepStats:
     """(b,) float32 total std."""
 
 
-class TrainingAdapter:
+class TransitionRecompute:
     """Policy (adapters on) and reference (adapters off) statistics for window step ``k``."""
 
     def __init__(self, freqs_cis: Sequence[torch.Tensor]):

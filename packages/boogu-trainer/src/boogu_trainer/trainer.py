@@ -31,10 +31,10 @@ import torch
 import yaml
 
 from boogu_adapters.components import build_local_engine
+from boogu_adapters.engines import RolloutEngine
 from boogu_adapters.loading import BooguParts
 from boogu_adapters.lora import LoraMismatchError, peft_sync_config
-from boogu_adapters.rollout import RolloutEngine
-from boogu_adapters.training import TrainingAdapter
+from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
@@ -49,7 +49,7 @@ from boogu_trainer.metrics import MetricsLogger, plot_reward_curve, sample_grid
 from boogu_trainer.models import base_model_path, enable_tf32, load_base_parts, prepare_policy
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
-from boogu_trainer.rollout import RolloutScorer, ScoredBatch
+from boogu_trainer.scoring import RolloutScorer, ScoredBatch
 from boogu_trainer.step_metrics import StepMetrics
 
 logger = logging.getLogger("boogu_trainer")
@@ -145,7 +145,7 @@ class Trainer:
         val = self._checked_records(*self._val_rows) if self._val_rows is not None else []
         self.rollout = RolloutScorer(config, self.engine, self.rewards, self.dist, self.device)
         self.learner = Learner(
-            config, self.transformer, TrainingAdapter(self.local_engine.freqs_cis), self.dist, self.device
+            config, self.transformer, TransitionRecompute(self.local_engine.freqs_cis), self.dist, self.device
         )
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
         self.evaluator = Evaluator(config, self.engine, self.rewards, self.dist, val)
