@@ -199,7 +199,16 @@ def _sign_run(tiny_checkpoint, run_dir, sign, settings):
     rollouts' own reward means are too noisy to tell)."""
     cfg = make(tiny_checkpoint, run_dir, *settings, f"algorithm.advantage_sign={sign}", "eval.num_steps=6")
     trainer = Trainer(cfg)
-    evaluator = Evaluator(cfg, trainer.engine, trainer.rewards, trainer.dist, demo_records(16))
+    evaluator = Evaluator(
+        cfg.eval,
+        cfg.sampler,
+        trainer.engine,
+        trainer.rewards,
+        trainer.dist,
+        demo_records(16),
+        seed=cfg.seed,
+        total_steps=cfg.total_steps,
+    )
     before = evaluator.evaluate(0)
     history = trainer.train()
     assert all(math.isfinite(h["loss"]) for h in history)

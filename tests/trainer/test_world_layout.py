@@ -46,7 +46,14 @@ def _rank_schedule(config: TrainerConfig, rank: int, world: int) -> list[tuple[l
     group_id = torch.arange(lo, hi).repeat_interleave(n)  # the rollout's global group ids
     rows = group_id.numel()
     learner = Learner(
-        config, torch.nn.Linear(1, 1), None, DistEnv(rank=rank, world_size=world), torch.device("cpu")
+        config.algorithm,
+        config.optim,
+        config.ema,
+        torch.nn.Linear(1, 1),
+        None,
+        DistEnv(rank=rank, world_size=world),
+        torch.device("cpu"),
+        seed=config.seed,
     )
     steps: list[tuple[list[list[int]], int]] = []
 

@@ -36,7 +36,7 @@ from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_file, atomic_write_text
 from boogu_schedule import WindowPlan
-from boogu_trainer.config import TrainerConfig
+from boogu_trainer.config import EvalConfig, SamplerConfig
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.metrics import sample_grid
 from boogu_trainer.rewards import WeightedRewards, build_rewards
@@ -92,32 +92,45 @@ class EvalResult:
 
 
 class Evaluator:
+    """Deterministic samples of the validation prompts (``eval.*``, at the ``sampler.*`` size and CFG),
+    scored by the training rewards and the gold ones."""
+
     def __init__(
         self,
-        config: TrainerConfig,
+        eval_config: EvalConfig,
+        sampler: SamplerConfig,
         engine: LocalRolloutEngine,
         rewards: WeightedRewards,
         dist: DistEnv,
         records: list[PromptRecord],
         *,
+        seed: int,
+        total_steps: int,
+        micro_batch_size: int = 0,
         gold_rewards: WeightedRewards | None = None,
     ):
-        self.config = config
+        self.eval_config = eval_config
+        self.sampler = sampler
+        self.seed = seed
+        self.total_steps = total_steps
+        self.micro_batch_size = micro_batch_size
+        """``rollout.micro_batch_size``: rows per reward call (0: the whole batch)."""
+        config = eval_config
         self.engine = engine
         self.rewards = rewards
         self.dist = dist
-        self.records = records[: config.eval.num_prompts]
-        self.separate_gold = bool(config.eval.rewards)
+        self.records = records[: config.num_prompts]
+        self.separate_gold = bool(config.rewards)
         """True when ``eval.rewards`` names held-out rewards (else the gold score is the training rewards')."""
         if gold_rewards is None:
-            gold_rewards = build_rewards(config.eval.rewards) if self.separate_gold else rewards
+            gold_rewards = build_rewards(config.rewards) if self.separate_gold else rewards
         self.gold_rewards = gold_rewards
         self._before: tuple[int, torch.Tensor] | None = None
         self._first_rows: list[dict[str, Any]] = []
 
     def due(self, step: int) -> bool:
-        every = self.config.eval.every
-        return bool(every and self.records and (step % every == 0 or step == self.config.total_steps))
+        every = self.eval_config.every
+        return bool(every and self.records and (step % every == 0 or step == self.total_steps))
 
     def run(self) -> dict[str, float]:
         """The evaluation's metrics (``eval/...``); see `evaluate` for everything."""
@@ -127,21 +140,21 @@ class Evaluator:
     def evaluate(self, step: int = 0) -> EvalResult:
         slots = self.dist.padded_share(len(self.records))
         records = [self.records[0 if i is None else i] for i in slots]
-        s = self.config.sampler
+        s = self.sampler
         # Prompt i draws its noise from stream (seed, i) on any rank and any number of ranks: this
         # rank's slots are the contiguous block starting at slots[0] (fillers after the last prompt).
         request = deterministic_request(
             records,
-            num_steps=self.config.eval.num_steps,
+            num_steps=self.eval_config.num_steps,
             guidance_scale=s.guidance_scale,
             height=s.height,
             width=s.width,
-            seed=self.config.seed,
+            seed=self.seed,
             group_offset=self.dist.rank * len(slots),
         )
         with self.dist.collective("evaluation"):
             traj = self.engine.generate(request)
-        mb = self.config.rollout.micro_batch_size
+        mb = self.micro_batch_size
         train = self.rewards(traj.images, records, micro_batch_size=mb)
         gold = self.gold_rewards(traj.images, records, micro_batch_size=mb) if self.separate_gold else train
         # Gathered like the training rewards (equal shapes on every rank: the slots are padded).

@@ -33,7 +33,7 @@ from boogu_adapters.lora import (
 from boogu_adapters.recompute import TransitionRecompute
 from boogu_trainer.algorithms import Algorithm, DiffusionNFT, Policy, UpdateResult, build_algorithm
 from boogu_trainer.algorithms.base import PhaseCounter, micro_batches
-from boogu_trainer.config import TrainerConfig
+from boogu_trainer.config import AlgorithmConfig, EmaConfig, OptimConfig
 from boogu_trainer.distributed import (
     DistEnv,
     full_optimizer_state,
@@ -68,13 +68,22 @@ class Learner:
 
     def __init__(
         self,
-        config: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        optim: OptimConfig,
+        ema: EmaConfig,
         transformer: torch.nn.Module,
         recompute: TransitionRecompute,
         dist: DistEnv,
         device: torch.device,
+        *,
+        seed: int,
+        base_model: str = "",
     ):
-        self.config = config
+        self.algorithm_config = algorithm
+        self.optim_config = optim
+        self.ema_config = ema
+        self.base_model = base_model
+        """The base model's folder, written into the LoRA's adapter config."""
         self.transformer = transformer
         self.recompute = recompute
         self.dist = dist
@@ -82,17 +91,17 @@ class Learner:
         named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        o = config.optim
+        o = optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
         self.counters: dict[str, int] = defaultdict(int)
         self.ema: dict[str, torch.Tensor] | None = (
-            {k: v.float().clone() for k, v in self.full_lora().items()} if config.ema.enabled else None
+            {k: v.float().clone() for k, v in self.full_lora().items()} if ema.enabled else None
         )
         self._snapshot: list[torch.Tensor] | None = None
         self.policy = Policy(transformer, recompute, device, self.params, self.param_names)
-        self.algorithm: Algorithm = build_algorithm(config.algorithm, config.seed, self.policy)
+        self.algorithm: Algorithm = build_algorithm(algorithm, seed, self.policy)
 
     @property
     def count_as(self) -> PhaseCounter:
@@ -145,7 +154,7 @@ class Learner:
         return result
 
     def _update(self, batch: ScoredBatch, step: int) -> UpdateResult:
-        a = self.config.algorithm
+        a = self.algorithm_config
         traj = batch.trajectory
         algorithm = self.algorithm
         algorithm.begin(batch, step)
@@ -191,7 +200,7 @@ class Learner:
 
     def micro_batches(self, rows: torch.Tensor | list[int]) -> list[list[int]]:
         """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
-        return micro_batches(rows, self.config.algorithm.train_micro_batch_size)
+        return micro_batches(rows, self.algorithm_config.train_micro_batch_size)
 
     def _accumulate(self, batch, advantages, chunks, total_rows, acc, *, first: bool) -> torch.Tensor:
         """Forward + backward of every micro-batch and loss term of one mini-batch.
@@ -222,7 +231,7 @@ class Learner:
 
     def optimizer_step(self, bad_loss: torch.Tensor, acc: dict[str, list]) -> str:
         """Clip, check, step: 'ok', 'skipped' (a non-finite loss or gradient) or 'undone' (non-finite weights)."""
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip))
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.optim_config.grad_clip))
         # The one read before the step: were the losses and the gradients finite?
         bad, norm = torch.stack([bad_loss.float(), grad_norm.float().reshape(())]).tolist()
         if self.dist.any(bad > 0, "agree on a non-finite loss"):
@@ -295,19 +304,18 @@ class Learner:
     def update_ema(self, full: dict[str, torch.Tensor]) -> None:
         if self.ema is None:
             return
-        d = self.config.ema.decay
+        d = self.ema_config.decay
         for k, v in full.items():
             self.ema[k].mul_(d).add_(v.float(), alpha=1 - d)
 
     def apply_optim_config(self) -> None:
         """Set the optimizer's hyper-parameters from the config (after a resume that changed them)."""
-        o = self.config.optim
+        o = self.optim_config
         for group in self.optimizer.param_groups:
             group.update(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
     def adapter_config(self) -> dict[str, Any]:
-        base = self.config.model.path or self.config.model.tiny_path
-        return adapter_config(self.transformer, base_model_name_or_path=base)
+        return adapter_config(self.transformer, base_model_name_or_path=self.base_model)
 
     def state_dict(self, lora: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """What a checkpoint keeps of the learner, on the CPU (collectives under FSDP: every rank calls it).
@@ -393,7 +401,7 @@ class Learner:
             self.optimizer.state.clear()
             for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
-        if self.config.ema.enabled:
+        if self.ema_config.enabled:
             ema = state.get("ema")
             if ema is None:
                 raise ValueError("ema.enabled=true but the checkpoint has no EMA weights")

@@ -21,7 +21,7 @@ from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_data import PromptRecord
 from boogu_schedule import derive_seed
 from boogu_trainer.advantages import Advantages, compute_advantages
-from boogu_trainer.config import TrainerConfig
+from boogu_trainer.config import AlgorithmConfig, SamplerConfig
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.rewards import RewardOutput, WeightedRewards
 
@@ -52,24 +52,33 @@ class RolloutScorer:
 
     def __init__(
         self,
-        config: TrainerConfig,
+        sampler: SamplerConfig,
+        algorithm: AlgorithmConfig,
         engine: LocalRolloutEngine,
         rewards: WeightedRewards,
         dist: DistEnv,
         device: torch.device,
+        *,
+        seed: int,
+        micro_batch_size: int = 0,
     ):
-        self.config = config
+        self.sampler = sampler
+        self.algorithm = algorithm
+        """Group size and the advantage settings (``algorithm.*``)."""
+        self.seed = seed
+        self.micro_batch_size = micro_batch_size
+        """``rollout.micro_batch_size``: rows per reward call (0: the whole batch)."""
         self.engine = engine
         self.rewards = rewards
         self.dist = dist
         self.device = device
-        self.window = config.sampler.window_plan
+        self.window = sampler.window_plan
 
     def request(self, records: list[PromptRecord], group_offset: int, step: int) -> RolloutRequest:
-        s = self.config.sampler
+        s = self.sampler
         return RolloutRequest(
             records=records,
-            group_size=self.config.algorithm.group_size,
+            group_size=self.algorithm.group_size,
             num_steps=s.num_steps,
             guidance_scale=s.guidance_scale,
             sampler=s.sampler,
@@ -77,7 +86,7 @@ class RolloutScorer:
             window=self.window,
             height=s.height,
             width=s.width,
-            seed=derive_seed(self.config.seed, "rollout", step),
+            seed=derive_seed(self.seed, "rollout", step),
             group_offset=group_offset,
             iteration=step,
             decode=True,
@@ -88,11 +97,11 @@ class RolloutScorer:
         stats = self.engine.stats
         before = (stats.prompts_encoded, stats.negatives_encoded, stats.seconds.get("encode", 0.0))
         traj = self.engine.generate(self.request(records, group_offset, step))
-        n = self.config.algorithm.group_size
+        n = self.algorithm.group_size
         scores = self.rewards(
             traj.images,
             [r for r in records for _ in range(n)],
-            micro_batch_size=self.config.rollout.micro_batch_size,
+            micro_batch_size=self.micro_batch_size,
         )
 
         per_reward = {
@@ -100,7 +109,7 @@ class RolloutScorer:
             for k, v in scores.per_reward.items()
         }
         group_id = self.dist.all_gather_cat(traj.group_id, "gather group ids")
-        a = self.config.algorithm
+        a = self.algorithm
         adv = compute_advantages(
             per_reward,
             self.rewards.weights,

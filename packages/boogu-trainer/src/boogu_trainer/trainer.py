@@ -143,12 +143,39 @@ class Trainer:
             seed=config.seed,
         )
         val = self._checked_records(*self._val_rows) if self._val_rows is not None else []
-        self.rollout = RolloutScorer(config, self.engine, self.rewards, self.dist, self.device)
+        self.rollout = RolloutScorer(
+            config.sampler,
+            config.algorithm,
+            self.engine,
+            self.rewards,
+            self.dist,
+            self.device,
+            seed=config.seed,
+            micro_batch_size=config.rollout.micro_batch_size,
+        )
         self.learner = Learner(
-            config, self.transformer, TransitionRecompute(self.local_engine.freqs_cis), self.dist, self.device
+            config.algorithm,
+            config.optim,
+            config.ema,
+            self.transformer,
+            TransitionRecompute(self.local_engine.freqs_cis),
+            self.dist,
+            self.device,
+            seed=config.seed,
+            base_model=config.model.path or config.model.tiny_path,
         )
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
-        self.evaluator = Evaluator(config, self.engine, self.rewards, self.dist, val)
+        self.evaluator = Evaluator(
+            config.eval,
+            config.sampler,
+            self.engine,
+            self.rewards,
+            self.dist,
+            val,
+            seed=config.seed,
+            total_steps=config.total_steps,
+            micro_batch_size=config.rollout.micro_batch_size,
+        )
         self.step_metrics = StepMetrics(
             self.transformer, self.dist, self.device, peak_override=config.perf.peak_tflops
         )
