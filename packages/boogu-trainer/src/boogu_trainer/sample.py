@@ -172,7 +172,7 @@ def attach_lora(transformer, lora: TrainedLora) -> None:
             f"the LoRA in {lora.source} attaches to {len(attached)} of its {len(lora.modules)} modules; "
             f"not attached: {_names(missing or sorted(set(attached) - set(lora.modules)))}"
         )
-    # float32 adapters on any base dtype, as the trainer keeps them (Trainer._prepare_transformer).
+    # float32 adapters on any base dtype, as the trainer keeps them (`models.prepare_policy`).
     for name, param in transformer.named_parameters():
         param.requires_grad_(False)
         if is_lora_param(name):
