@@ -319,10 +319,22 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Shard every FSDP2 unit of ``model`` again. FSDP2 keeps the root's parameters unsharded after a
+    forward without a backward (an evaluation, the preflight's probes); the state-dict API reads and
+    writes them as DTensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict with whole tensors keyed by parameter name (a collective under FSDP2)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    reshard(model)
     return get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
     )
@@ -343,6 +355,7 @@ def load_full_state(
     )
 
     opts = StateDictOptions(full_state_dict=True, strict=False)
+    reshard(model)
     if model_state:
         set_model_state_dict(model, model_state, options=opts)
     if optimizer is not None and optimizer_state is not None:
