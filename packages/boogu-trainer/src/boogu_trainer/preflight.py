@@ -563,28 +563,17 @@ def check_weight_sync(trainer: PreflightTarget, records: list) -> CheckResult:
 
 
 # ---- the whole preflight -----------------------------------------------------------------------------
-def _copied(state: Any) -> Any:
-    """``state`` with every tensor cloned: a snapshot that later in-place updates cannot reach."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _copied(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_copied(v) for v in state)
-    return copy.deepcopy(state)
-
-
 def _snapshot(trainer: PreflightTarget) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The trainer's state (as a checkpoint takes it) and the engine's run-time state."""
     engine = trainer.engine
     with trainer.dist.collective("preflight: snapshot"):
-        state = _copied(trainer.state_dict())
+        state = copy.deepcopy(trainer.state_dict())  # tensors cloned: later in-place updates cannot reach it
     return state, engine.state_dict() if isinstance(engine, RelabelableEngine) else None
 
 
 def _put_back(trainer: PreflightTarget, saved: tuple[dict[str, Any], dict[str, Any] | None]) -> None:
     state, engine_state = saved
-    trainer.load_state_dict(_copied(state))  # the snapshot stays intact for a second put-back
+    trainer.load_state_dict(copy.deepcopy(state))  # the snapshot stays intact for a second put-back
     if engine_state is not None:  # the weights are back (re-synced under a newer number): so is the label
         trainer.engine.load_state_dict(engine_state)
 
