@@ -1,16 +1,112 @@
-"""The built-in demo learns: its reward rises by more than twice the standard error over its 30
-steps. (That it falls when the advantage's sign is flipped, for every algorithm, is checked in
-``test_algorithms.py`` on a few steps and a paired evaluation, far cheaper than a second demo.)"""
+"""The demos.
+
+* The scenes recipe (``examples/tiny_scenes/scenes_demo.yaml``): the pretrained tiny model trains on
+  the dense verifier and is judged by the exact one on held-out prompts; its ending (base vs trained,
+  ``heldout.json`` and the before/after grid) is checked here on the random model, fast.
+* The demo (``trainer`` with no arguments, ``demo_config``): its reward rises by more than
+  twice the standard error over its 30 steps. (That a reward falls when the advantage's sign is
+  flipped, for every algorithm, is checked in ``test_algorithms.py``.)
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
+import torch
 
+from boogu_data.scenes import TEST_PAIRS, VAL_PAIRS, Scene, parse_caption
 from boogu_trainer.config import demo_config, load_config
+from boogu_trainer.data import demo_records
+from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON, heldout_comparison, paired_summary
 from boogu_trainer.metrics import summarize_rewards
 from boogu_trainer.trainer import Trainer
+
+
+def test_paired_summary_is_the_standard_error_of_the_mean_difference():
+    s = paired_summary([0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0])
+    assert s["prompts"] == 4 and s["base"] == 0.5 and s["trained"] == 0.75 and s["diff"] == 0.25
+    # differences 1, 0, 0, 0: sample variance 0.25, so the standard error is sqrt(0.25 / 4).
+    assert s["se_diff"] == pytest.approx(0.25)
+    assert math.isnan(paired_summary([1.0], [0.0])["se_diff"])
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        paired_summary([1.0], [])
+
+
+SCENES_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_scenes" / "scenes_demo.yaml"
+
+
+def test_the_scenes_recipe_trains_on_the_dense_verifier_and_judges_by_the_exact_one():
+    config = load_config(str(SCENES_RECIPE), [])
+    assert config.model.tiny == "scenes" and not config.model.path and config.data.demo_set == "scenes"
+    assert not config.data.train_files and not config.data.val_files  # built-in prompts, held-out test split
+    assert [r.name for r in config.reward.rewards] == ["scene_dense"]
+    assert [r.name for r in config.eval.rewards] == ["scene_exact"]
+    assert config.eval.every > 0 and config.eval.num_prompts >= 100
+
+
+def test_built_in_scene_prompts_are_the_scene_sets_splits():
+    train = demo_records(50, "scenes")
+    test = demo_records(50, "scenes", split="test")
+    assert [r.index for r in train] == list(range(50)) and {r.split for r in test} == {"test"}
+    for record in train + test:
+        parse_caption(record.instruction)  # in the verifier's grammar
+        assert Scene.from_json(record.ground_truth).caption() == record.instruction
+    assert all(not (Scene.from_json(r.ground_truth).pairs() & (TEST_PAIRS | VAL_PAIRS)) for r in train)
+    assert all(Scene.from_json(r.ground_truth).pairs() & TEST_PAIRS for r in test)
+    with pytest.raises(ValueError, match="no built-in 'ocr' prompts of split 'test'"):
+        demo_records(4, "ocr", split="test")
+
+
+def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoint, tmp_path):
+    """On the random tiny model (fast): 'base' is the evaluation of the model before any update (LoRA
+    switched off, bit for bit), 'trained' the one after; the files are written."""
+    config = load_config(
+        None,
+        [
+            f"model.path={tiny_checkpoint}",
+            "data.demo_set=scenes",
+            "data.prompts_per_step=2",
+            "algorithm.group_size=2",
+            "sampler.num_steps=3",
+            "sampler.window_range=[0,2]",
+            "sampler.window_size=1",
+            "eval.every=1",
+            "eval.num_prompts=4",
+            "eval.num_steps=2",
+            "eval.rewards=[{name: scene_exact}]",
+            "reward.rewards=[{name: scene_dense}]",
+            "optim.lr=0.05",
+            "total_steps=1",
+            f"logging.run_dir={tmp_path}",
+            "logging.progress=false",
+            "logging.sample_every=0",
+            "logging.plot_every=0",
+            "checkpoint.save_every=0",
+        ],
+        base=demo_config(),
+    )
+    trainer = Trainer(config)
+    try:
+        before = trainer.evaluator.evaluate(step=0)
+        trainer.train()
+        summary = heldout_comparison(trainer, tmp_path / "out")
+    finally:
+        trainer.close()
+    assert (
+        summary["prompts"] == 4 and summary["step"] == 1 and summary["gold_rewards"] == {"scene_exact": 1.0}
+    )
+    assert summary["sampler"] == {"num_steps": 2, "guidance_scale": 2.0, "seed": 0, "kind": "ode"}
+    written = json.loads((tmp_path / "out" / HELDOUT_JSON).read_text())
+    assert written == json.loads(json.dumps(summary))
+    assert (tmp_path / "out" / HELDOUT_GRID).stat().st_size > 0
+    # The base images are the pre-training images exactly; the trained ones moved.
+    base_again = json.loads((tmp_path / "out" / HELDOUT_JSON).read_text())["base"]
+    assert base_again == pytest.approx(before.gold)
+    with_lora = trainer.evaluator.evaluate(step=1)
+    assert not torch.equal(with_lora.images, before.images)
 
 
 @pytest.mark.slow

@@ -60,16 +60,32 @@ from boogu_schedule import make_generator
 __all__ = [
     "BUILDER_VERSION",
     "DEFAULT_TINY_PATH",
+    "DEFAULT_TRAINED_PATH",
     "MARKER_NAME",
+    "TRAINED_ASSETS",
+    "AssetError",
     "ensure_tiny_checkpoint",
+    "ensure_trained_checkpoint",
     "is_complete_tiny_checkpoint",
     "main",
+    "save_trained_assets",
+    "verify_trained_assets",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TINY_PATH = "~/models/tiny-random/Boogu-Image"
 """Where the tiny checkpoint lives unless told otherwise (the reference integration's path)."""
+
+DEFAULT_TRAINED_PATH = "~/models/tiny-scenes/Boogu-Image"
+"""Where ``boogu-tiny --trained`` puts the pretrained tiny checkpoint unless told otherwise."""
+
+TRAINED_ASSETS = Path(__file__).parent / "assets" / "tiny_scenes"
+"""The committed pretrained tiny checkpoint (``boogu-tiny-pretrain --save-assets`` writes it): the
+released layout without the two ``.py`` shims (written at install), ``manifest.json`` (sha256 and size
+of every file) and the build's ``pretrain_report.json``."""
+
+MANIFEST_NAME = "manifest.json"
 
 MARKER_NAME = ".boogu-tiny.json"
 """Written last into a finished build; a folder without it is never treated as complete."""
@@ -280,6 +296,144 @@ def ensure_tiny_checkpoint(
     return target
 
 
+class AssetError(ValueError):
+    """The committed pretrained checkpoint does not match its manifest (a file missing, extra or changed)."""
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _asset_files(root: Path) -> list[str]:
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.name != MANIFEST_NAME and p.suffix != ".py" and "__pycache__" not in p.parts
+    )
+
+
+def save_trained_assets(
+    checkpoint: str | os.PathLike[str], assets: str | os.PathLike[str] = TRAINED_ASSETS
+) -> Path:
+    """Copy a ``boogu-tiny-pretrain`` output into ``assets`` (replacing it) with a manifest of hashes."""
+    source = Path(checkpoint).expanduser().absolute()
+    target = Path(assets)
+    if not (source / "pretrain_report.json").is_file() or not is_complete_tiny_checkpoint(source):
+        raise FileNotFoundError(
+            f"{source} is not a finished boogu-tiny-pretrain output (no pretrain_report.json)"
+        )
+    staging = stage_folder(target)
+    try:
+        for name in _asset_files(source):
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, staging / name)
+        files = {
+            name: {"sha256": _sha256(staging / name), "bytes": (staging / name).stat().st_size}
+            for name in _asset_files(staging)
+        }
+        _write_json(staging / MANIFEST_NAME, {"files": files})
+        commit_folder(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def verify_trained_assets(assets: str | os.PathLike[str] = TRAINED_ASSETS) -> dict[str, Any]:
+    """Check every committed file against ``manifest.json``; returns the manifest.
+
+    Raises:
+        AssetError: naming each missing, unlisted or changed file (a changed file gives its expected
+            and actual sha256).
+    """
+    root = Path(assets)
+    manifest_path = root / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        expected = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AssetError(f"{manifest_path}: cannot read the manifest ({error})") from None
+    present = set(_asset_files(root))
+    problems = [f"{name}: listed in the manifest but missing" for name in sorted(set(expected) - present)]
+    problems += [f"{name}: present but not in the manifest" for name in sorted(present - set(expected))]
+    for name in sorted(present & set(expected)):
+        actual = _sha256(root / name)
+        if actual != expected[name]["sha256"]:
+            problems.append(f"{name}: sha256 {actual}, the manifest says {expected[name]['sha256']}")
+    if problems:
+        raise AssetError(f"{root} does not match {MANIFEST_NAME}:\n  " + "\n  ".join(problems))
+    return manifest
+
+
+def ensure_trained_checkpoint(
+    path: str | os.PathLike[str] = DEFAULT_TRAINED_PATH,
+    force: bool = False,
+    *,
+    assets: str | os.PathLike[str] = TRAINED_ASSETS,
+) -> Path:
+    """Put the committed pretrained tiny checkpoint at ``path`` (seconds: a verified copy, no training).
+
+    A complete copy of the same assets (its marker records the manifest's hash) is kept unless
+    ``force``; a folder that no boogu-tiny wrote is never replaced.
+
+    Raises:
+        AssetError: the committed files do not match their manifest.
+        FileExistsError: ``path`` exists, is not empty and was not written by boogu-tiny.
+    """
+    target = Path(path).expanduser().absolute()
+    source = Path(assets)
+    verify_trained_assets(source)
+    assets_hash = _sha256(source / MANIFEST_NAME)
+    if recover_folder(target):
+        logger.warning("put back the checkpoint at %s that an interrupted install had moved aside", target)
+    for stale in remove_stale(target.parent):
+        logger.info("removed %s, left behind by an interrupted build", stale)
+    if (
+        is_complete_tiny_checkpoint(target)
+        and not force
+        and _marker(target).get("trained_assets") == assets_hash
+    ):
+        logger.info("pretrained tiny checkpoint at %s is complete; nothing to do", target)
+        return target
+    if target.exists() and not _is_empty_dir(target) and not (target / MARKER_NAME).is_file():
+        raise FileExistsError(
+            f"{target} exists and is not a tiny checkpoint built by boogu-tiny (no {MARKER_NAME}); "
+            "refusing to replace it. Remove it yourself or choose another path."
+        )
+    staging = stage_folder(target)
+    try:
+        for name in _asset_files(source):
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, staging / name)
+        (staging / "transformer" / "transformer_boogu.py").write_text(TRANSFORMER_SHIM, encoding="utf-8")
+        (staging / "scheduler" / "scheduling_flow_match_euler_discrete_time_shifting.py").write_text(
+            SCHEDULER_SHIM, encoding="utf-8"
+        )
+        marker = _marker(staging)
+        marker["trained_assets"] = assets_hash
+        _write_json(staging / MARKER_NAME, marker)
+        commit_folder(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("installed the pretrained tiny Boogu checkpoint at %s", target)
+    return target
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    try:
+        marker = json.loads((path / MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
 def is_complete_tiny_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` holds a finished build: the completion marker and every required file."""
     root = Path(path).expanduser()
@@ -304,10 +458,18 @@ def _is_current(path: Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``boogu-tiny``: build the tiny random checkpoint and print its path."""
+    """``boogu-tiny``: build the tiny random checkpoint (or install the pretrained one) and print its path."""
     parser = argparse.ArgumentParser(prog="boogu-tiny", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--output-dir", default=DEFAULT_TINY_PATH, help="target folder (default: %(default)s)"
+        "--output-dir",
+        default=None,
+        help=f"target folder (default: {DEFAULT_TINY_PATH}, with --trained {DEFAULT_TRAINED_PATH})",
+    )
+    parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="install the committed checkpoint pretrained on the procedural scenes (boogu-tiny-pretrain) "
+        "instead of building a random one",
     )
     parser.add_argument(
         "--source-model",
@@ -319,8 +481,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        path = ensure_tiny_checkpoint(args.output_dir, args.source_model, args.force, seed=args.seed)
-    except (FileExistsError, FileNotFoundError) as e:
+        if args.trained:
+            if args.source_model is not None or args.seed != DEFAULT_SEED:
+                raise ValueError(
+                    "--trained installs the committed checkpoint as built: --source-model and --seed do not apply "
+                    "(its transformer was trained on this text encoder's and tokenizer's features)"
+                )
+            path = ensure_trained_checkpoint(args.output_dir or DEFAULT_TRAINED_PATH, args.force)
+        else:
+            path = ensure_tiny_checkpoint(
+                args.output_dir or DEFAULT_TINY_PATH, args.source_model, args.force, seed=args.seed
+            )
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"boogu-tiny: error: {e}", file=sys.stderr)
         return 2
     print(path)

@@ -218,6 +218,17 @@ class Scene:
             separators=(",", ":"),
         )
 
+    def record(self, split: str, index: int) -> PromptRecord:
+        """The scene as a T2I prompt row: caption, spec JSON as ``ground_truth``, the tag as ``ability``."""
+        return PromptRecord(
+            self.caption(),
+            ground_truth=self.to_json(),
+            data_source=DATA_SOURCE,
+            ability=self.tag,
+            split=split,
+            index=index,
+        )
+
     @classmethod
     def from_json(cls, text: str) -> Scene:
         """The scene :meth:`to_json` wrote."""
@@ -529,16 +540,7 @@ def write_scenes(
             if images:
                 folder.mkdir(parents=True)
             for index, scene in enumerate(generate_scenes(seed, split, counts[split])):
-                writer.write(
-                    PromptRecord(
-                        scene.caption(),
-                        ground_truth=scene.to_json(),
-                        data_source=DATA_SOURCE,
-                        ability=scene.tag,
-                        split=split,
-                        index=index,
-                    )
-                )
+                writer.write(scene.record(split, index))
                 if images:
                     (folder / f"{index:05d}.png").write_bytes(render_png(scene, size))
             writer.close()

@@ -1,6 +1,8 @@
 """``trainer``: FlowGRPO LoRA training for Boogu-Image.
 
 trainer                                   the CPU demo (tiny random checkpoint, built-in prompts)
+trainer examples/tiny_scenes/scenes_demo.yaml   the tiny Boogu pretrained on procedural scenes learns to follow
+                                          their captions (held-out verdict: heldout.json, heldout_grid.png)
 trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
@@ -196,6 +198,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     main_rank = dist.is_main
     bar = None
     trainer = None
+    heldout = None
     t0 = time.perf_counter()
     try:
         trainer = Trainer(config, dist=dist)
@@ -203,12 +206,17 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
         if main_rank:
             if trainer.run_note:
                 print(trainer.run_note)
-            what = (
-                "demo: tiny random Boogu checkpoint, built-in prompts"
-                if demo and not config.model.path and not config.data.train_files
-                else f"model {config.model.path or 'tiny random checkpoint'}, "
-                f"data {', '.join(config.data.train_files) or 'built-in prompts'}"
-            )
+            if demo and not config.model.path and not config.data.train_files:
+                what = (
+                    "demo: tiny Boogu pretrained on procedural scenes, scene captions"
+                    if config.model.tiny == "scenes"
+                    else "demo: tiny random Boogu checkpoint, built-in prompts"
+                )
+            else:
+                what = (
+                    f"model {config.model.path or f'tiny {config.model.tiny} checkpoint'}, "
+                    f"data {', '.join(config.data.train_files) or f'built-in {config.data.demo_set} prompts'}"
+                )
             print(
                 f"boogu-trainer {__version__} | {what} | {config.total_steps} steps | "
                 f"{dist.world_size} rank(s) | outputs: {config.run_path}"
@@ -238,6 +246,17 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
 
         with record_collectives(os.environ.get(RECORD_ENV), dist.rank):
             history = trainer.train(progress)
+        if config.data.demo_set == "scenes" and not config.data.val_files and not config.data.train_files:
+            from boogu_trainer.demo import heldout_comparison
+
+            if bar is not None:
+                bar.close()
+                bar = None
+            if main_rank:
+                print(
+                    f"scoring the base model and the trained LoRA on {len(trainer.evaluator.records)} held-out prompts ..."
+                )
+            heldout = heldout_comparison(trainer, config.run_path)
     except ConfigError as e:  # what only the world size can refuse (`check_world_layout`)
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2
@@ -258,6 +277,16 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
         dist.close()
     if main_rank:
         print("\n" + reward_verdict(summarize_rewards(history)))
+        if heldout is not None:
+            from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON
+
+            gold = ", ".join(heldout["gold_rewards"])
+            print(
+                f"held-out {gold} on {heldout['prompts']} prompts: base {heldout['base']:.3f} -> trained "
+                f"{heldout['trained']:.3f} (difference {heldout['diff']:+.3f}, standard error {heldout['se_diff']:.3f}: "
+                f"{'more than' if heldout['significant'] else 'not more than'} twice the standard error)"
+            )
+            print(f"  {config.run_path / HELDOUT_JSON}\n  {config.run_path / HELDOUT_GRID}")
         print(f"done in {time.perf_counter() - t0:.0f} s. outputs in {config.run_path}:")
         for name in ("metrics.jsonl", "reward_curve.png", "samples/", "checkpoints/", "config.yaml"):
             print(f"  {config.run_path / name}")

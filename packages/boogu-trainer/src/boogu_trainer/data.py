@@ -13,9 +13,21 @@ from boogu_data import PromptRecord, dataset_files, read_records
 from boogu_data.convert import first_quoted_span
 from boogu_schedule import derive_seed, make_generator
 
+SCENES_SEED = 0
+"""The seed of the built-in scene prompts (``boogu-data scenes --seed 0``: what the tiny model was
+pretrained on, so its train split is the pretraining's, and val and test are held out)."""
 
-def demo_records(limit: int = 32) -> list[PromptRecord]:
-    """The built-in prompts: the first lines of the Flow-GRPO OCR test split shipped in this package."""
+
+def demo_records(limit: int = 32, demo_set: str = "ocr", *, split: str = "train") -> list[PromptRecord]:
+    """The built-in prompts (``data.demo_set``): the first lines of the Flow-GRPO OCR test split shipped
+    in this package, or the first ``limit`` captions of a split of the procedural scenes
+    (`boogu_data.scenes`, seed :data:`SCENES_SEED`; the scene as JSON in ``ground_truth``)."""
+    if demo_set == "scenes":
+        from boogu_data.scenes import generate_scenes
+
+        return [scene.record(split, i) for i, scene in enumerate(generate_scenes(SCENES_SEED, split, limit))]
+    if demo_set != "ocr" or split != "train":
+        raise ValueError(f"no built-in {demo_set!r} prompts of split {split!r}")
     text = resources.files("boogu_trainer").joinpath("assets/demo_prompts.txt").read_text(encoding="utf-8")
     records = []
     for i, line in enumerate(text.splitlines()[:limit]):

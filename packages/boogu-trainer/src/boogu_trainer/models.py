@@ -49,13 +49,23 @@ def enable_tf32(config: TrainerConfig, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = config.model.tf32
 
 
+def base_model_name(config: TrainerConfig) -> str:
+    """``model.path``, or the tiny checkpoint's folder as configured (not built): what a LoRA records."""
+    if config.model.path:
+        return config.model.path
+    return config.model.tiny_scenes_path if config.model.tiny == "scenes" else config.model.tiny_path
+
+
 def base_model_path(config: TrainerConfig) -> Path:
     """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
     if config.model.path:
         return Path(config.model.path).expanduser()
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
+    from boogu_adapters.tiny import ensure_tiny_checkpoint, ensure_trained_checkpoint
 
-    return Path(ensure_tiny_checkpoint(Path(config.model.tiny_path).expanduser()))
+    folder = Path(base_model_name(config)).expanduser()
+    if config.model.tiny == "scenes":
+        return Path(ensure_trained_checkpoint(folder))
+    return Path(ensure_tiny_checkpoint(folder))
 
 
 def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:

@@ -46,7 +46,13 @@ from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker, Verdict
 from boogu_trainer.faults import fault_point
 from boogu_trainer.learner import Learner, UpdateResult
 from boogu_trainer.metrics import MetricsLogger, plot_reward_curve, sample_grid
-from boogu_trainer.models import base_model_path, enable_tf32, load_base_parts, prepare_policy
+from boogu_trainer.models import (
+    base_model_name,
+    base_model_path,
+    enable_tf32,
+    load_base_parts,
+    prepare_policy,
+)
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.scoring import RolloutScorer, ScoredBatch
@@ -101,7 +107,9 @@ class Trainer:
         # The prompts before the model: a data error costs seconds, not a model load.
         self._train_rows = self._read_records(config.data.train_files, "data.train_files")
         self._val_rows = (
-            self._read_records(config.data.val_files, "data.val_files") if config.data.val_files else None
+            self._read_records(config.data.val_files, "data.val_files")
+            if config.data.val_files or config.data.demo_set == "scenes"
+            else None
         )
         if len(self._train_rows[0]) < config.data.prompts_per_step:
             raise ConfigError(
@@ -162,7 +170,7 @@ class Trainer:
             self.dist,
             self.device,
             seed=config.seed,
-            base_model=config.model.path or config.model.tiny_path,
+            base_model=base_model_name(config),
         )
         self.checkpointer = ckpt.Checkpointer(config, self.dist)
         self.evaluator = Evaluator(
@@ -253,8 +261,12 @@ class Trainer:
         """The dataset's records and where each came from (the built-in demo prompts when ``files`` is
         empty); a missing or invalid file is a `ConfigError` naming ``key``."""
         if not files:
-            records = demo_records(self.config.data.demo_prompts)
-            return records, [f"built-in demo prompt {r.index}" for r in records]
+            data = self.config.data
+            if key == "data.val_files":  # only the scene set has built-in held-out prompts
+                records = demo_records(self.config.eval.num_prompts, data.demo_set, split="test")
+            else:
+                records = demo_records(data.demo_prompts, data.demo_set)
+            return records, [f"built-in {data.demo_set} prompt {r.split} {r.index}" for r in records]
         try:
             return load_sourced_records(files)
         except (OSError, ValueError) as error:

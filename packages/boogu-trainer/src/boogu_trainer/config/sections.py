@@ -54,13 +54,15 @@ class DataConfig:
     train_files: tuple[str, ...] = ()
     """Parquet files or folders written by boogu-data; empty means the built-in demo prompts."""
     val_files: tuple[str, ...] = ()
-    """Parquet files or folders for evaluation (empty: no evaluation set)."""
+    """Parquet files or folders for evaluation (empty: no evaluation set, or with demo_set=scenes the scenes' held-out test captions)."""
     prompts_per_step: int = 32
     """B: prompts per training step (each rolled out group_size times)."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded, resumable)."""
     demo_prompts: int = 32
     """How many built-in prompts the demo uses when train_files is empty."""
+    demo_set: Literal["ocr", "scenes"] = "ocr"
+    """The built-in prompts: OCR prompts (demo_prompts of the Flow-GRPO test split), or procedural-scene captions (boogu-data scenes: train split for training; the held-out test split for evaluation when val_files is empty)."""
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
@@ -76,6 +78,10 @@ class ModelConfig:
     """Boogu checkpoint folder; empty builds and uses the tiny random checkpoint (tiny_path)."""
     tiny_path: str = "~/models/tiny-random/Boogu-Image"
     """Where the tiny random checkpoint is built when path is empty."""
+    tiny: Literal["random", "scenes"] = "random"
+    """Which tiny checkpoint an empty path means: random weights (tiny_path), or the one pretrained on the procedural scenes (boogu-tiny --trained, installed at tiny_scenes_path)."""
+    tiny_scenes_path: str = "~/models/tiny-scenes/Boogu-Image"
+    """Where the pretrained tiny checkpoint is installed when path is empty and tiny is 'scenes'."""
     transformer: Literal["auto", "native", "canonical"] = "native"
     """Our port (native), the checkpoint's own class (canonical, needs trust_remote_code), or auto."""
     trust_remote_code: bool = False
@@ -727,12 +733,13 @@ class TrainerConfig:
             )
             if on
         ]
-        if not self.data.val_files:
+        if not self.data.val_files and self.data.demo_set != "scenes":  # the scenes have held-out prompts
             uses = [f"eval.every={self.eval.every}"] * (self.eval.every > 0) + on_evaluations
             if uses:
                 raise ConfigError(
                     f"{', '.join(uses)} without data.val_files: evaluation runs on the validation prompts; "
-                    "set data.val_files (parquet files or folders), or turn evaluation off"
+                    "set data.val_files (parquet files or folders) or data.demo_set=scenes, or turn "
+                    "evaluation off"
                 )
         elif self.eval.every == 0 and on_evaluations:
             raise ConfigError(

@@ -1,0 +1,578 @@
+"""Pretrain the tiny Boogu on procedural scenes: the checkpoint that ``boogu-tiny --trained`` installs.
+
+``uv run boogu-tiny-pretrain --output-dir DIR`` rebuilds it from nothing, on a CPU, in stages:
+
+1. **Scenes** (:mod:`boogu_data.scenes`): ``train_scenes`` train captions and renders, drawn from the
+   scene set's own seeded streams; the val and test splits hold out colour-shape pairs.
+2. **The rest of the checkpoint**: the tiny random build (:func:`boogu_adapters.tiny.ensure_tiny_checkpoint`,
+   seed 42): processor, scheduler, the tiny Qwen3-VL text encoder. The text encoder stays as built
+   (random and frozen): its features carry the caption's tokens, and the transformer learns to read them.
+3. **VAE**: a FLUX-layout ``AutoencoderKL`` (16 latent channels, 8x down, no quant convs; widths
+   ``vae_widths``) trained on the renders with an L2 loss that weights object (non-white) pixels
+   ``vae_object_weight`` times (plain L2 paints every object in the palette's mean colour) and a
+   tiny KL term. Its ``shift_factor``/``scaling_factor`` are then set from the train latents (mean 0,
+   std 1), as the FLUX VAE's were.
+4. **Transformer**: ``BooguImageTransformer2DModel(**TINY_CONFIG)`` with ``patch_size`` 1 from upstream's
+   init, trained with the flow-matching objective in Boogu's conventions (docs/upstream-model.md §8):
+   a noise level ``sigma`` from the checkpoint's schedule (static v1 shift, ``seq_len``
+   ``schedule_seq_len``; 1000 levels),
+   ``x_t = (1 - sigma) x0 + sigma eps``, time ``t = 1 - sigma``, velocity target ``x0 - eps``; the
+   caption is replaced by the empty negative prompt with probability ``cond_dropout``, so CFG works.
+   AdamW, warm-up then cosine decay; the saved weights are an EMA of the trained ones.
+5. **Evaluation**: PSNR of the VAE on held-out renders; the ``scene_exact``/``scene_dense`` verifier
+   (:mod:`boogu_trainer.rewards.scene`) on samples of val and test prompts (ODE, ``eval_steps`` steps,
+   CFG ``eval_guidance``), one sample per prompt, the seeds fixed.
+
+The output folder is a complete checkpoint in the released layout (every loader and engine reads it
+unchanged) plus ``pretrain_report.json`` (settings, stage times, losses, the scores) and
+``samples.png`` (val prompts, with each image's verdict). ``--save-assets`` then copies it into
+``boogu_adapters/assets/tiny_scenes/`` with a manifest of hashes: what ``boogu-tiny --trained``
+installs. Deterministic for a seed and thread count (``threads``, default 1): the data, the
+initialisations and every draw come from seeded generators, and the CPU kernels used reduce in a
+fixed order for a fixed thread count. One thread is the default because it is also the fastest
+choice on a shared 2-core machine (measured: a VAE step 0.45 s on one thread, 0.75 s on two while
+another job used a core); ``torch.use_deterministic_algorithms`` is not set (it made a VAE step 17x
+slower on two threads).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads OpenMP: spinning idle threads make a build on a busy machine many times slower
+# (the trainer's CLI does the same; benchmarks/README.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from boogu_adapters.components import build_local_engine
+from boogu_adapters.encoding import decode_latents, encode_prompts, vae_to_latents
+from boogu_adapters.loading import load_boogu
+from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, get_freqs_cis
+from boogu_adapters.step import _forward, pad_features
+from boogu_adapters.tiny import RELEASED_SCHEDULER_CONFIG, ensure_tiny_checkpoint, save_trained_assets
+from boogu_adapters.types import RolloutRequest
+from boogu_data import PromptRecord
+from boogu_data.atomic import commit_folder, stage_folder
+from boogu_data.scenes import generate_scenes, render
+from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forward_noise
+from boogu_schedule.sde import Sampler
+from boogu_trainer.rewards.scene import scene_dense, scene_exact
+
+__all__ = ["PretrainConfig", "main", "pretrain"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "pretrain_report.json"
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Every setting of a build; the defaults are the committed checkpoint's."""
+
+    seed: int = 0
+    """Seeds the scenes (``boogu-scenes/{seed}/...``), the VAE and transformer inits and every draw."""
+    size: int = 64
+    """Image side in pixels (16 image tokens at 64²: 8x VAE, 2x2 patches)."""
+    train_scenes: int = 8000
+    eval_prompts: int = 200
+    """Val and test prompts scored at the end (each)."""
+    threads: int = 2
+    patch_size: int = 1
+    """The transformer's patch size (TINY_CONFIG has 2): 1 gives 64 image tokens at 64², one per 8x8
+    pixels, so that a shape spans several tokens (with 2, a whole 12-pixel object fell in one token)."""
+    schedule_seq_len: int = 256
+    """``seq_len`` of the checkpoint's static v1 time shift (released: 4096, shift e^1.15 = 3.2, for
+    4096-token images); 256 gives the formula's smallest shift, e^0.5 = 1.65, for these 64-token images."""
+    vae_widths: tuple[int, ...] = (8, 16, 32, 64)
+    vae_groups: int = 8
+    vae_steps: int = 1500
+    vae_batch: int = 16
+    vae_lr: float = 2e-3
+    vae_object_weight: float = 10.0
+    vae_kl_weight: float = 1e-6
+    dit_steps: int = 6000
+    dit_batch: int = 32
+    dit_lr: float = 1e-3
+    dit_warmup: int = 200
+    ema_decay: float = 0.999
+    cond_dropout: float = 0.1
+    eval_every: int = 1500
+    """Transformer steps between progress evaluations (64 val prompts; 0: none)."""
+    eval_steps: int = 20
+    eval_guidance: float = 4.0
+
+    @classmethod
+    def quick(cls) -> PretrainConfig:
+        """A smoke build (seconds): every stage runs, nothing is learned."""
+        return cls(
+            train_scenes=64,
+            eval_prompts=8,
+            vae_steps=3,
+            vae_batch=4,
+            dit_steps=4,
+            dit_batch=4,
+            dit_warmup=2,
+            eval_every=0,
+            eval_steps=4,
+        )
+
+
+# ----------------------------------------------------------------------------------------- stages
+
+
+def _images(scenes: Sequence[Any], size: int) -> torch.Tensor:
+    """uint8 (N, 3, size, size) renders."""
+    arrays = np.stack([np.asarray(render(scene, size), dtype=np.uint8) for scene in scenes])
+    return torch.from_numpy(arrays).permute(0, 3, 1, 2).contiguous()
+
+
+def _records(scenes: Sequence[Any], split: str) -> list[PromptRecord]:
+    return [scene.record(split, i) for i, scene in enumerate(scenes)]
+
+
+def _to_unit(images: torch.Tensor) -> torch.Tensor:
+    return images.float() / 127.5 - 1.0
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean PSNR (dB) of two uint8 image batches."""
+    mse = (a.float() - b.float()).pow(2).mean(dim=(1, 2, 3)).clamp_min(1e-10)
+    return float((10 * torch.log10(255.0**2 / mse)).mean())
+
+
+def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _build_vae(config: PretrainConfig, generator_seed: int):
+    from diffusers import AutoencoderKL
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(generator_seed)
+        return AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=16,
+            down_block_types=["DownEncoderBlock2D"] * len(config.vae_widths),
+            up_block_types=["UpDecoderBlock2D"] * len(config.vae_widths),
+            block_out_channels=list(config.vae_widths),
+            layers_per_block=1,
+            norm_num_groups=config.vae_groups,
+            sample_size=config.size,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=1.0,
+            shift_factor=0.0,
+        )
+
+
+def train_vae(
+    vae: torch.nn.Module, images: torch.Tensor, config: PretrainConfig, log: Callable[[str], None]
+) -> list[float]:
+    """Train ``vae`` in place on uint8 ``images``; returns the loss of every step."""
+    generator = torch.Generator().manual_seed(config.seed * 1000 + 1)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
+    vae.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(config.vae_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, config.vae_steps, config.vae_lr, min(50, config.vae_steps))
+        x = _to_unit(images[torch.randint(0, images.shape[0], (config.vae_batch,), generator=generator)])
+        posterior = vae.encode(x).latent_dist
+        reconstruction = vae.decode(posterior.sample(generator=generator)).sample
+        # Object pixels (any channel well below white) weigh vae_object_weight times the background.
+        weight = 1.0 + (config.vae_object_weight - 1.0) * (x.min(dim=1, keepdim=True).values < 0.9).float()
+        loss = (weight * (reconstruction - x).pow(2)).mean() + config.vae_kl_weight * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % 100 == 0 or step + 1 == config.vae_steps:
+            rate = (time.perf_counter() - start) / (step + 1)
+            log(
+                f"vae step {step + 1}/{config.vae_steps} loss {np.mean(losses[-100:]):.4f} "
+                f"({rate:.2f} s/step, {rate * (config.vae_steps - step - 1) / 60:.1f} min left)"
+            )
+    vae.eval()
+    return losses
+
+
+@torch.no_grad()
+def encode_images(vae: torch.nn.Module, images: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The posterior means of uint8 ``images`` (raw VAE latents, before shift and scale)."""
+    return torch.cat(
+        [vae.encode(_to_unit(images[i : i + chunk])).latent_dist.mode() for i in range(0, len(images), chunk)]
+    )
+
+
+@torch.no_grad()
+def reconstruct(vae: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """uint8 reconstructions through the Boogu latent convention (shift and scale included)."""
+    return decode_latents(vae, vae_to_latents(vae, encode_images(vae, images)))
+
+
+@torch.no_grad()
+def encode_captions(
+    parts: Any, captions: Sequence[str], chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Instruction features of ``captions`` and of the empty negative (last row), padded to one length."""
+    embeds = [
+        encode_prompts(parts.text_encoder, parts.processor, list(captions[i : i + chunk]))
+        for i in range(0, len(captions), chunk)
+    ]
+    embeds.append(encode_prompts(parts.text_encoder, parts.processor, [""]))
+    length = max(e.hidden_states.shape[1] for e in embeds)
+    padded = [pad_features(e.hidden_states, e.attention_mask, length) for e in embeds]
+    return torch.cat([h for h, _ in padded]), torch.cat([m for _, m in padded])
+
+
+def train_transformer(
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    hidden: torch.Tensor,
+    mask: torch.Tensor,
+    sigma_levels: torch.Tensor,
+    config: PretrainConfig,
+    log: Callable[[str], None],
+    evaluate: Callable[[torch.nn.Module, int], None] | None = None,
+) -> tuple[torch.nn.Module, list[float]]:
+    """Flow-matching training of ``model`` on Boogu latents; returns (EMA model, step losses).
+
+    ``hidden``/``mask`` hold one row per latent and the empty negative prompt as their last row.
+    """
+    generator = torch.Generator().manual_seed(config.seed * 1000 + 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.dit_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    ema = _copy_model(model)
+    freqs = get_freqs_cis(model.config.axes_dim_rope, model.config.axes_lens, 10000.0)
+    empty = hidden.shape[0] - 1
+    model.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(config.dit_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, config.dit_steps, config.dit_lr, config.dit_warmup)
+        rows = torch.randint(0, latents.shape[0], (config.dit_batch,), generator=generator)
+        x0 = latents[rows]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = sigma_levels[torch.randint(0, sigma_levels.numel(), (config.dit_batch,), generator=generator)]
+        dropped = torch.rand(config.dit_batch, generator=generator) < config.cond_dropout
+        text_rows = torch.where(dropped, torch.full_like(rows, empty), rows)
+        text_mask = mask[text_rows]
+        length = int(text_mask.sum(1).max())  # right-padded: trim the columns no row uses
+        velocity = _forward(
+            model,
+            forward_noise(x0, noise, sigma),
+            1.0 - sigma,
+            hidden[text_rows, :length],
+            text_mask[:, :length],
+            None,
+            freqs,
+            text_mask.sum(1).tolist(),
+        )
+        loss = (velocity.float() - flow_target(x0, noise)).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        decay = min(config.ema_decay, (1.0 + step) / (10.0 + step))
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                e.lerp_(p, 1.0 - decay)
+        losses.append(loss.item())
+        done = step + 1
+        if done % 250 == 0 or done == config.dit_steps:
+            rate = (time.perf_counter() - start) / done
+            log(
+                f"transformer step {done}/{config.dit_steps} loss {np.mean(losses[-250:]):.4f} "
+                f"({rate:.3f} s/step, {rate * (config.dit_steps - done) / 60:.1f} min left)"
+            )
+        if (
+            evaluate is not None
+            and config.eval_every
+            and done % config.eval_every == 0
+            and done < config.dit_steps
+        ):
+            evaluate(ema, done)
+            model.train()
+    ema.eval()
+    return ema, losses
+
+
+def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    copy = type(model)(**dict(model.config))
+    copy.load_state_dict(model.state_dict())
+    copy.requires_grad_(False)
+    return copy
+
+
+def sample_and_score(
+    parts: Any, records: Sequence[PromptRecord], config: PretrainConfig, *, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One ODE sample per record with the parts' transformer; (images, exact, dense)."""
+    engine = build_local_engine(parts)
+    batch = engine.generate(
+        RolloutRequest(
+            records=list(records),
+            group_size=1,
+            num_steps=config.eval_steps,
+            guidance_scale=config.eval_guidance,
+            sampler=Sampler.ODE,
+            noise_level=0.0,
+            height=config.size,
+            width=config.size,
+            seed=seed,
+        )
+    )
+    return batch.images, scene_exact()(batch.images, records), scene_dense()(batch.images, records)
+
+
+def verdict_grid(images: torch.Tensor, verdicts: torch.Tensor, columns: int = 8) -> Image.Image:
+    """A grid of uint8 images, each framed green (verdict 1) or red (0)."""
+    n, _, h, w = images.shape
+    rows = math.ceil(n / columns)
+    border = 2
+    grid = Image.new("RGB", (columns * (w + 2 * border), rows * (h + 2 * border)), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    for i in range(n):
+        x, y = (i % columns) * (w + 2 * border), (i // columns) * (h + 2 * border)
+        colour = (40, 170, 60) if verdicts[i] >= 0.5 else (200, 40, 40)
+        draw.rectangle([x, y, x + w + 2 * border - 1, y + h + 2 * border - 1], fill=colour)
+        grid.paste(Image.fromarray(images[i].permute(1, 2, 0).numpy()), (x + border, y + border))
+    return grid
+
+
+# ------------------------------------------------------------------------------------------ build
+
+
+def pretrain(
+    output_dir: str | os.PathLike[str], config: PretrainConfig, *, log: Callable[[str], None] = print
+) -> dict:
+    """Build the pretrained tiny checkpoint into ``output_dir`` (atomic); returns the report."""
+    output = Path(output_dir).expanduser().absolute()
+    if output.exists() and any(output.iterdir()) and not (output / REPORT_NAME).is_file():
+        raise FileExistsError(
+            f"{output} exists and is not a boogu-tiny-pretrain output; refusing to replace it"
+        )
+    torch.set_num_threads(config.threads)
+    times: dict[str, float] = {}
+    begin = time.perf_counter()
+
+    t = time.perf_counter()
+    train = generate_scenes(config.seed, "train", config.train_scenes)
+    evals = {split: generate_scenes(config.seed, split, config.eval_prompts) for split in ("val", "test")}
+    train_images = _images(train, config.size)
+    val_images = _images(evals["val"], config.size)
+    times["scenes"] = time.perf_counter() - t
+    log(
+        f"scenes: {len(train)} train, {config.eval_prompts} val, {config.eval_prompts} test ({times['scenes']:.0f} s)"
+    )
+
+    with tempfile.TemporaryDirectory(prefix="boogu-pretrain-") as scratch:
+        base = ensure_tiny_checkpoint(Path(scratch) / "random")
+        parts = load_boogu(base, transformer="native")
+
+        t = time.perf_counter()
+        vae = _build_vae(config, config.seed * 1000 + 3)
+        vae_losses = train_vae(vae, train_images, config, log)
+        raw = encode_images(vae, train_images)
+        shift = float(raw.mean())
+        scale = float(1.0 / (raw - shift).std())
+        vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+        latents = vae_to_latents(vae, raw)
+        recon = reconstruct(vae, val_images)
+        vae_psnr = psnr(recon, val_images)
+        val_records = _records(evals["val"], "val")
+        recon_exact = float(scene_exact()(recon, val_records).mean())
+        times["vae"] = time.perf_counter() - t
+        log(
+            f"vae: {sum(p.numel() for p in vae.parameters()):,} parameters, val PSNR {vae_psnr:.2f} dB, "
+            f"scene_exact of its reconstructions {recon_exact:.3f} ({times['vae'] / 60:.1f} min)"
+        )
+
+        t = time.perf_counter()
+        hidden, mask = encode_captions(parts, [s.caption() for s in train])
+        scheduler = {**RELEASED_SCHEDULER_CONFIG, "seq_len": config.schedule_seq_len}
+        parts = dataclasses.replace(parts, schedule_config=BooguScheduleConfig.from_dict(scheduler))
+        sigma_levels = boogu_sigmas(parts.schedule_config, 1000)[:-1]
+        times["captions"] = time.perf_counter() - t
+        parts = dataclasses.replace(parts, vae=vae)
+
+        progress: list[dict[str, float]] = []
+
+        def evaluate(model: torch.nn.Module, step: int) -> None:
+            _, exact, dense = sample_and_score(
+                dataclasses.replace(parts, transformer=model), val_records[:64], config
+            )
+            progress.append(
+                {"step": step, "val_exact": float(exact.mean()), "val_dense": float(dense.mean())}
+            )
+            log(
+                f"  eval at step {step}: val scene_exact {exact.mean():.3f}, scene_dense {dense.mean():.3f} (64 prompts)"
+            )
+
+        t = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed * 1000 + 4)
+            model = BooguImageTransformer2DModel(**{**TINY_CONFIG, "patch_size": config.patch_size})
+        ema, dit_losses = train_transformer(model, latents, hidden, mask, sigma_levels, config, log, evaluate)
+        times["transformer"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        trained = dataclasses.replace(parts, transformer=ema)
+        scores: dict[str, dict[str, Any]] = {}
+        grid_images = grid_verdicts = None
+        for split, scenes in evals.items():
+            records = _records(scenes, split)
+            images, exact, dense = sample_and_score(trained, records, config)
+            scores[split] = {
+                "prompts": len(records),
+                "scene_exact": float(exact.mean()),
+                "scene_exact_se": float(exact.std() / math.sqrt(len(records))) if len(records) > 1 else 0.0,
+                "scene_dense": float(dense.mean()),
+                "scene_exact_by_task": {
+                    tag: float(exact[[r.ability == tag for r in records]].mean())
+                    for tag in sorted({r.ability for r in records})
+                },
+            }
+            if split == "val":
+                grid_images, grid_verdicts = images[:32], exact[:32]
+            log(
+                f"{split}: scene_exact {exact.mean():.3f} ± {scores[split]['scene_exact_se']:.3f}, dense {dense.mean():.3f}"
+            )
+        times["evaluation"] = time.perf_counter() - t
+        times["total"] = time.perf_counter() - begin
+
+        report = {
+            "config": dataclasses.asdict(config),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "minutes": {k: round(v / 60, 2) for k, v in times.items()},
+            "vae": {
+                "parameters": sum(p.numel() for p in vae.parameters()),
+                "val_psnr_db": round(vae_psnr, 3),
+                "val_reconstruction_scene_exact": recon_exact,
+                "shift_factor": shift,
+                "scaling_factor": scale,
+                "final_loss": float(np.mean(vae_losses[-100:])),
+            },
+            "transformer": {
+                "parameters": sum(p.numel() for p in ema.parameters()),
+                "final_loss": float(np.mean(dit_losses[-250:])),
+                "loss_every_250": [
+                    round(float(np.mean(dit_losses[i : i + 250])), 4) for i in range(0, len(dit_losses), 250)
+                ],
+                "progress": progress,
+            },
+            "sampler": {
+                "num_steps": config.eval_steps,
+                "guidance_scale": config.eval_guidance,
+                "sampler": "ode",
+            },
+            "scores": scores,
+        }
+        staging = stage_folder(output)
+        try:
+            shutil.copytree(base, staging, dirs_exist_ok=True)
+            shutil.rmtree(staging / "vae")
+            vae.save_pretrained(staging / "vae", safe_serialization=True)
+            _save_transformer(ema, staging / "transformer")
+            (staging / "scheduler" / "scheduler_config.json").write_text(
+                json.dumps(scheduler, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+            )
+            (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+            verdict_grid(grid_images, grid_verdicts).save(staging / "samples.png")
+            commit_folder(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    log(f"wrote {output} in {times['total'] / 60:.1f} min")
+    return report
+
+
+def _save_transformer(model: torch.nn.Module, folder: Path) -> None:
+    """Replace the random build's shards with ``model``'s weights, in the same two-shard layout."""
+    for path in folder.glob("diffusion_pytorch_model*"):
+        path.unlink()
+    config_path = folder / "config.json"
+    auto_map = json.loads(config_path.read_text(encoding="utf-8")).get("auto_map")
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=total // 2 + 1)
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if auto_map is not None:
+        config["auto_map"] = auto_map
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``boogu-tiny-pretrain``: rebuild the pretrained tiny checkpoint from scratch."""
+    parser = argparse.ArgumentParser(prog="boogu-tiny-pretrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--output-dir", required=True, help="where the checkpoint goes (a new or earlier output folder)"
+    )
+    parser.add_argument("--seed", type=int, default=PretrainConfig.seed)
+    parser.add_argument("--quick", action="store_true", help="a smoke build in seconds (nothing is learned)")
+    parser.add_argument(
+        "--save-assets",
+        action="store_true",
+        help="also copy the result into boogu_adapters/assets/tiny_scenes (what boogu-tiny --trained installs)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a PretrainConfig field (e.g. --set dit_steps=3000); repeatable",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    config = PretrainConfig.quick() if args.quick else PretrainConfig()
+    try:
+        config = dataclasses.replace(config, seed=args.seed, **_overrides(args.set))
+    except (TypeError, ValueError) as error:
+        print(f"boogu-tiny-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        pretrain(args.output_dir, config, log=lambda line: print(line, flush=True))
+    except FileExistsError as error:
+        print(f"boogu-tiny-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    if args.save_assets:
+        print(save_trained_assets(args.output_dir))
+    return 0
+
+
+def _overrides(items: Sequence[str]) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(PretrainConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        default = getattr(PretrainConfig, key)
+        if isinstance(default, tuple):
+            out[key] = tuple(int(v) for v in value.split(","))
+        else:
+            out[key] = type(default)(value)
+    return out

@@ -1,0 +1,188 @@
+"""The pretrained tiny checkpoint: its build (a smoke build, twice: deterministic) and the committed files.
+
+The full build (`uv run boogu-tiny-pretrain --output-dir DIR`, ~30 min on 2 cores) is not run here;
+its figures are in the committed `pretrain_report.json` and the README.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from boogu_adapters.tiny import (
+    MARKER_NAME,
+    TRAINED_ASSETS,
+    AssetError,
+    ensure_trained_checkpoint,
+    is_complete_tiny_checkpoint,
+    save_trained_assets,
+    verify_trained_assets,
+)
+from boogu_adapters.tiny import (
+    main as tiny_main,
+)
+
+
+def _weights_digest(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*.safetensors")):
+        digest.update(path.relative_to(folder).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def quick_builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    from boogu_trainer.tiny_pretrain import PretrainConfig, pretrain
+
+    root = tmp_path_factory.mktemp("pretrain")
+    lines: list[str] = []
+    report = pretrain(root / "a", PretrainConfig.quick(), log=lines.append)
+    pretrain(root / "b", PretrainConfig.quick(), log=lambda _: None)
+    assert any(line.startswith("vae step") for line in lines) and any(
+        "transformer step" in line for line in lines
+    )
+    return root / "a", root / "b", report
+
+
+def test_a_smoke_build_runs_every_stage_and_writes_a_loadable_checkpoint(quick_builds) -> None:
+    from boogu_adapters.loading import load_boogu
+    from boogu_adapters.model import TINY_CONFIG
+    from boogu_trainer.tiny_pretrain import PretrainConfig
+
+    folder, _, report = quick_builds
+    assert is_complete_tiny_checkpoint(folder)
+    assert (folder / "samples.png").is_file()
+    assert json.loads((folder / "pretrain_report.json").read_text()) == json.loads(json.dumps(report))
+    for split in ("val", "test"):
+        scores = report["scores"][split]
+        assert scores["prompts"] == 8 and 0.0 <= scores["scene_exact"] <= scores["scene_dense"] <= 1.0
+    parts = load_boogu(folder, transformer="native")
+    expected = {**TINY_CONFIG, "patch_size": PretrainConfig().patch_size}
+    assert {k: v for k, v in dict(parts.transformer.config).items() if k in expected} == {
+        k: (list(v) if isinstance(v, tuple) else v) for k, v in expected.items()
+    }
+    assert report["vae"]["val_psnr_db"] > 0
+    assert report["transformer"]["parameters"] == sum(p.numel() for p in parts.transformer.parameters())
+    # The checkpoint's own schedule: the static v1 shift at the configured seq_len.
+    assert parts.schedule_config.seq_len == PretrainConfig().schedule_seq_len
+    # The VAE's factors standardise the train latents (set from them, not the FLUX constants).
+    assert parts.vae.config.scaling_factor == pytest.approx(report["vae"]["scaling_factor"])
+    assert parts.vae.config.shift_factor == pytest.approx(report["vae"]["shift_factor"])
+    # The transformer was trained: its zero-initialised output head moved.
+    assert (
+        parts.transformer.state_dict()[next(k for k in parts.transformer.state_dict() if "norm_out" in k)]
+        .abs()
+        .sum()
+        > 0
+    )
+
+
+def test_the_build_is_deterministic(quick_builds) -> None:
+    a, b, _ = quick_builds
+    assert _weights_digest(a) == _weights_digest(b)
+    drop = lambda r: {k: v for k, v in r.items() if k != "minutes"}  # noqa: E731
+    assert drop(json.loads((a / "pretrain_report.json").read_text())) == drop(
+        json.loads((b / "pretrain_report.json").read_text())
+    )
+
+
+def test_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
+    from boogu_trainer.tiny_pretrain import PretrainConfig, pretrain
+
+    (tmp_path / "mine.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a boogu-tiny-pretrain output"):
+        pretrain(tmp_path, PretrainConfig.quick(), log=lambda _: None)
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+
+
+def test_overrides_name_the_field() -> None:
+    from boogu_trainer.tiny_pretrain import main
+
+    with pytest.raises(SystemExit):
+        main(["--output-dir", "x", "--set"])
+    assert main(["--output-dir", "x", "--set", "no_such=1"]) == 2
+
+
+def test_the_committed_files_match_their_manifest() -> None:
+    manifest = verify_trained_assets()
+    names = set(manifest["files"])
+    assert {
+        "transformer/config.json",
+        "vae/config.json",
+        "mllm/model.safetensors",
+        "pretrain_report.json",
+    } <= names
+    assert not any(name.endswith(".py") for name in names)
+
+
+def test_trained_install_is_a_verified_copy_that_loads(tmp_path: Path) -> None:
+    from boogu_adapters.loading import load_boogu
+
+    target = ensure_trained_checkpoint(tmp_path / "ckpt")
+    assert is_complete_tiny_checkpoint(target)
+    marker = json.loads((target / MARKER_NAME).read_text())
+    assert (
+        marker["trained_assets"]
+        == hashlib.sha256((TRAINED_ASSETS / "manifest.json").read_bytes()).hexdigest()
+    )
+    parts = load_boogu(target, transformer="native")
+    reference = json.loads((TRAINED_ASSETS / "pretrain_report.json").read_text())
+    assert parts.vae.config.scaling_factor == pytest.approx(reference["vae"]["scaling_factor"])
+    # Same files again: kept, not rewritten.
+    stamp = (target / MARKER_NAME).stat().st_mtime_ns
+    assert ensure_trained_checkpoint(tmp_path / "ckpt") == target
+    assert (target / MARKER_NAME).stat().st_mtime_ns == stamp
+    # The CLI installs it too, and refuses options that would change what the transformer reads.
+    assert tiny_main(["--trained", "--output-dir", str(tmp_path / "cli")]) == 0
+    assert is_complete_tiny_checkpoint(tmp_path / "cli")
+    assert tiny_main(["--trained", "--seed", "3", "--output-dir", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_changed_committed_file_is_named_and_nothing_is_installed(tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    shutil.copytree(TRAINED_ASSETS, assets)
+    with (assets / "vae" / "config.json").open("a") as f:
+        f.write(" ")
+    (assets / "extra.bin").write_bytes(b"x")
+    (assets / "processor" / "tokenizer.json").unlink()
+    with pytest.raises(AssetError) as error:
+        ensure_trained_checkpoint(tmp_path / "ckpt", assets=assets)
+    message = str(error.value)
+    assert "vae/config.json: sha256" in message
+    assert "extra.bin: present but not in the manifest" in message
+    assert "processor/tokenizer.json: listed in the manifest but missing" in message
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_foreign_folder_is_never_replaced(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="refusing to replace it"):
+        ensure_trained_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "mine"
+
+
+def test_save_assets_round_trips(quick_builds, tmp_path: Path) -> None:
+    folder, _, _ = quick_builds
+    assets = save_trained_assets(folder, tmp_path / "assets")
+    manifest = verify_trained_assets(assets)
+    assert "pretrain_report.json" in manifest["files"]
+    installed = ensure_trained_checkpoint(tmp_path / "ckpt", assets=assets)
+    assert _weights_digest(installed) == _weights_digest(folder)
+    with pytest.raises(FileNotFoundError, match="not a finished boogu-tiny-pretrain output"):
+        save_trained_assets(tmp_path / "nothing", tmp_path / "assets2")
+
+
+def test_trained_weights_differ_from_the_random_build(tiny_checkpoint: Path) -> None:
+    from safetensors.torch import load_file
+
+    trained = load_file(TRAINED_ASSETS / "vae" / "diffusion_pytorch_model.safetensors")
+    random = load_file(tiny_checkpoint / "vae" / "diffusion_pytorch_model.safetensors")
+    assert trained.keys() != random.keys() or any(not torch.equal(trained[k], random[k]) for k in trained)
