@@ -175,31 +175,29 @@ def test_two_rank_run_killed_and_resumed_equals_a_straight_two_rank_run(tiny_che
         "ema.enabled=true",
         GLOBAL_RNG_REWARD,
     ]
-    straight = overrides(tiny_checkpoint, tmp_path / "straight", *steps)
-    run(torchrun(*straight))
-    killed = overrides(tiny_checkpoint, tmp_path / "killed", *steps)
+    args = overrides(tiny_checkpoint, tmp_path, *steps)
     # Rank 0 dies (kill -9) in step 3, after its update; torchrun then stops rank 1 too.
-    run(torchrun(*killed), fault="kill:after_update:3@0", expect=1)
-    assert [s for s, _ in checkpoint_folders(tmp_path / "killed" / "run" / "checkpoints")] == [1, 2]
-    run(torchrun(*killed, "resume=auto"))
-    assert same(final_lora(tmp_path / "straight"), final_lora(tmp_path / "killed"))
-    (_, a), (_, b) = (
-        checkpoint_folders(d / "run" / "checkpoints")[-1]
-        for d in (tmp_path / "straight", tmp_path / "killed")
-    )
+    run(torchrun(*args), fault="kill:after_update:3@0", expect=1)
+    assert [s for s, _ in checkpoint_folders(tmp_path / "run" / "checkpoints")] == [1, 2]
+    run(torchrun(*args, "resume=auto"))
+
+    # The straight run is a fresh 2-rank run pointed at the used folder (one launch fewer than a
+    # straight run of its own plus a fresh one): it must leave that folder byte-for-byte untouched,
+    # write to run_1, and start from step 1, not from the used folder's checkpoints. Its pruning
+    # (keep_last=2 of 4 steps) runs beside the used folder's checkpoints and must not reach them.
+    before = digest(tmp_path / "run")
+    result = run(torchrun(*args))
+    assert digest(tmp_path / "run") == before
+    assert "already used" in result.stdout
+    lines = (tmp_path / "run_1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert [s for s, _ in checkpoint_folders(tmp_path / "run_1" / "checkpoints")] == [3, 4]
+
+    # Killed and resumed equals straight: LoRA, EMA and optimizer state.
+    assert same(final_lora(tmp_path, "run_1"), final_lora(tmp_path, "run"))
+    (_, a), (_, b) = (checkpoint_folders(tmp_path / name / "checkpoints")[-1] for name in ("run_1", "run"))
     assert same(load_file(a / "ema.safetensors"), load_file(b / "ema.safetensors"))
     assert same(load_file(a / "optimizer.safetensors"), load_file(b / "optimizer.safetensors"))
-
-    # A fresh 2-rank run pointed at the used folder leaves it byte-for-byte untouched.
-    before = digest(tmp_path / "straight" / "run")
-    result = run(
-        torchrun(
-            *overrides(tiny_checkpoint, tmp_path / "straight", "total_steps=1", "checkpoint.keep_last=1")
-        )
-    )
-    assert digest(tmp_path / "straight" / "run") == before
-    assert "already used" in result.stdout
-    assert [s for s, _ in checkpoint_folders(tmp_path / "straight" / "run_1" / "checkpoints")] == [1]
 
 
 @pytest.mark.slow

@@ -8,18 +8,13 @@ the same trajectories, with and without CFG, for T2I and Edit, before and after 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
-import os
-import re
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import torch
@@ -288,7 +283,11 @@ class _SlowWorker(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path == "/generate":
             time.sleep(3)
-        self._send(json.dumps({"version": 0, "fingerprint": None, "keys": 0}).encode())
+        # The client gives up after its 0.5 s timeout, as the test wants: its socket is gone. Unsuppressed,
+        # the broken pipe prints a traceback from the server's thread after the test has ended (outside
+        # pytest's capture when the test is among the last of its pytest-xdist worker).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._send(json.dumps({"version": 0, "fingerprint": None, "keys": 0}).encode())
 
 
 def test_a_request_that_times_out_stops_with_the_setting_named(tiny_checkpoint):
@@ -314,31 +313,3 @@ def test_a_worker_that_dies_stops_the_run_with_its_log(worker):
     worker._process.wait()
     with pytest.raises(RolloutWorkerError, match=r"exited with code -9 \(log .*worker.log\)"):
         worker.generate(request(T2I, 1.0))
-
-
-def test_the_e2e_script_with_the_vllm_omni_engine(tmp_path):
-    """The user's path: `trainer <recipe> rollout.engine=vllm_omni` launches its own worker from the
-    rollout environment (edit rows, CFG, KL, evaluation, checkpoints), and stops it at the end."""
-    script = Path(__file__).parents[1] / "special_e2e" / "run_flowgrpo_boogu_image.sh"
-    env = {
-        **os.environ,
-        "MODE": "edit",
-        "NUM_GPUS": "0",
-        "WORK_DIR": str(tmp_path),
-        "PYTHON": sys.executable,
-        "OMP_NUM_THREADS": "1",
-        "EXTRA_OVERRIDES": "rollout.engine=vllm_omni rollout.vllm.backend=direct",
-    }
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "e2e OK (edit)" in result.stdout
-    log = (tmp_path / "runs" / "e2e" / "logs" / "rollout_worker_rank0.log").read_text()
-    served = re.search(r"boogu_vllm worker \(direct backend\) serving .* at http://127.0.0.1:(\d+)", log)
-    assert served, log[-2000:]
-    with pytest.raises(ConnectionRefusedError):  # the worker stopped with the run
-        socket.create_connection(("127.0.0.1", int(served.group(1))), timeout=5).close()
-    metrics = [
-        json.loads(line) for line in (tmp_path / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert [m["weights_version"] for m in metrics] == [1, 2]
-    assert all(m["nfe/rollout_per_image"] == 8.0 for m in metrics)  # 4 steps x 2 (CFG), from the worker
