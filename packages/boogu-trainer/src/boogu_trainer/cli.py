@@ -38,6 +38,8 @@ from boogu_trainer.config import (
     load_config,
 )
 
+_BUILT_IN = {"ocr": "built-in prompts", "scenes": "built-in scene captions (held-out: their test split)"}
+
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
     parser = argparse.ArgumentParser(
@@ -215,7 +217,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
             else:
                 what = (
                     f"model {config.model.path or f'tiny {config.model.tiny} checkpoint'}, "
-                    f"data {', '.join(config.data.train_files) or f'built-in {config.data.demo_set} prompts'}"
+                    f"data {', '.join(config.data.train_files) or _BUILT_IN[config.data.demo_set]}"
                 )
             print(
                 f"boogu-trainer {__version__} | {what} | {config.total_steps} steps | "
