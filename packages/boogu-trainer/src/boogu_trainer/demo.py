@@ -98,4 +98,4 @@ def _grid(base: Any, trained: Any, path: Path) -> None:
         images += [base.images[i] for i in rows] + [trained.images[i] for i in rows]
         captions += [caption("base", base.prompts[i]) for i in rows]
         captions += [caption("trained", trained.prompts[i]) for i in rows]
-    sample_grid(torch.stack(images), captions, path, columns=min(GRID_PROMPTS, count), cell=128)
+    sample_grid(torch.stack(images), captions, path, columns=min(GRID_PROMPTS, count), cell=192)
