@@ -71,7 +71,7 @@ from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_data.atomic import commit_folder, stage_folder
 from boogu_data.scenes import generate_scenes, render
-from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forward_noise
+from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forward_noise, make_generator
 from boogu_schedule.sde import Sampler
 from boogu_trainer.rewards.scene import scene_dense, scene_exact
 
@@ -191,7 +191,7 @@ def train_vae(
     vae: torch.nn.Module, images: torch.Tensor, config: PretrainConfig, log: Callable[[str], None]
 ) -> list[float]:
     """Train ``vae`` in place on uint8 ``images``; returns the loss of every step."""
-    generator = torch.Generator().manual_seed(config.seed * 1000 + 1)
+    generator = make_generator(config.seed * 1000 + 1)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
     vae.train()
     losses: list[float] = []
@@ -199,7 +199,13 @@ def train_vae(
     for step in range(config.vae_steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config.vae_steps, config.vae_lr, min(50, config.vae_steps))
-        x = _to_unit(images[torch.randint(0, images.shape[0], (config.vae_batch,), generator=generator)])
+        x = _to_unit(
+            images[
+                torch.randint(
+                    0, images.shape[0], (config.vae_batch,), generator=generator, device=generator.device
+                )
+            ]
+        )
         posterior = vae.encode(x).latent_dist
         reconstruction = vae.decode(posterior.sample(generator=generator)).sample
         # Object pixels (any channel well below white) weigh vae_object_weight times the background.
@@ -262,7 +268,7 @@ def train_transformer(
 
     ``hidden``/``mask`` hold one row per latent and the empty negative prompt as their last row.
     """
-    generator = torch.Generator().manual_seed(config.seed * 1000 + 2)
+    generator = make_generator(config.seed * 1000 + 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.dit_lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = _copy_model(model)
     freqs = get_freqs_cis(model.config.axes_dim_rope, model.config.axes_lens, 10000.0)
@@ -273,11 +279,19 @@ def train_transformer(
     for step in range(config.dit_steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config.dit_steps, config.dit_lr, config.dit_warmup)
-        rows = torch.randint(0, latents.shape[0], (config.dit_batch,), generator=generator)
+        rows = torch.randint(
+            0, latents.shape[0], (config.dit_batch,), generator=generator, device=generator.device
+        )
         x0 = latents[rows]
-        noise = torch.randn(x0.shape, generator=generator)
-        sigma = sigma_levels[torch.randint(0, sigma_levels.numel(), (config.dit_batch,), generator=generator)]
-        dropped = torch.rand(config.dit_batch, generator=generator) < config.cond_dropout
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        sigma = sigma_levels[
+            torch.randint(
+                0, sigma_levels.numel(), (config.dit_batch,), generator=generator, device=generator.device
+            )
+        ]
+        dropped = (
+            torch.rand(config.dit_batch, generator=generator, device=generator.device) < config.cond_dropout
+        )
         text_rows = torch.where(dropped, torch.full_like(rows, empty), rows)
         text_mask = mask[text_rows]
         length = int(text_mask.sum(1).max())  # right-padded: trim the columns no row uses
