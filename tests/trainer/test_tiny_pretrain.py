@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from boogu_adapters.tiny import (
     MARKER_NAME,
@@ -178,11 +177,3 @@ def test_save_assets_round_trips(quick_builds, tmp_path: Path) -> None:
     assert _weights_digest(installed) == _weights_digest(folder)
     with pytest.raises(FileNotFoundError, match="not a finished boogu-tiny-pretrain output"):
         save_trained_assets(tmp_path / "nothing", tmp_path / "assets2")
-
-
-def test_trained_weights_differ_from_the_random_build(tiny_checkpoint: Path) -> None:
-    from safetensors.torch import load_file
-
-    trained = load_file(TRAINED_ASSETS / "vae" / "diffusion_pytorch_model.safetensors")
-    random = load_file(tiny_checkpoint / "vae" / "diffusion_pytorch_model.safetensors")
-    assert trained.keys() != random.keys() or any(not torch.equal(trained[k], random[k]) for k in trained)

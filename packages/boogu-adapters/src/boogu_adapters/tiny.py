@@ -445,11 +445,10 @@ def is_complete_tiny_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def _builder_version(path: Path) -> int | None:
     """The builder version recorded in a build's marker (1 when it records none), None if unreadable."""
-    try:
-        marker = json.loads((path / MARKER_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    marker = _marker(path)
+    if not marker:
         return None
-    version = marker.get("builder_version", 1) if isinstance(marker, dict) else None
+    version = marker.get("builder_version", 1)
     return version if isinstance(version, int) else None
 
 

@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,8 +336,7 @@ def train_transformer(
 
 
 def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
-    copy = type(model)(**dict(model.config))
-    copy.load_state_dict(model.state_dict())
+    copy = deepcopy(model)  # not a rebuild from model.config: a loaded model's config carries auto_map
     copy.requires_grad_(False)
     return copy
 
