@@ -11,9 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 from boogu_adapters import tiny
-from boogu_adapters.loading import load_processor, load_schedule_config
+from boogu_adapters.loading import load_boogu, load_processor, load_schedule_config
 from boogu_adapters.model import get_freqs_cis
-from boogu_adapters.tiny import MARKER_NAME, ensure_tiny_checkpoint, is_complete_tiny_checkpoint, main
+from boogu_adapters.tiny import (
+    DEFAULT_SEED,
+    MARKER_NAME,
+    ensure_tiny_checkpoint,
+    is_complete_tiny_checkpoint,
+    main,
+    write_text_side,
+)
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -158,6 +165,32 @@ def test_fabricated_tokenizer_round_trips(tiny_checkpoint: Path) -> None:
         "<|vision_end|>",
     ]
     assert all(len(processor.tokenizer(s)["input_ids"]) == 1 for s in specials)
+
+
+def test_write_text_side_adds_words_and_keeps_the_random_build_otherwise(
+    tiny_checkpoint: Path, checkpoint_copy: Path
+) -> None:
+    # No extra corpus: byte for byte the random build's text side (the seed is the build's seed + 2).
+    write_text_side(checkpoint_copy, seed=DEFAULT_SEED + 2)
+    for name in ("processor/tokenizer.json", "mllm/config.json"):
+        assert (checkpoint_copy / name).read_bytes() == (tiny_checkpoint / name).read_bytes()
+    before = _tensors(tiny_checkpoint / "mllm")
+    after = _tensors(checkpoint_copy / "mllm")
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+    write_text_side(checkpoint_copy, seed=DEFAULT_SEED + 2, corpus=["a green triangle", "a yellow square"])
+    tokenizer = load_processor(checkpoint_copy).tokenizer
+    assert [tokenizer.decode([i]) for i in tokenizer("a green triangle")["input_ids"]] == [
+        "a",
+        " green",
+        " triangle",
+    ]
+    assert len(load_processor(tiny_checkpoint).tokenizer("a green triangle")["input_ids"]) > 3
+    # The text encoder's table follows the new vocabulary; the folder still loads as a whole.
+    config = json.loads((checkpoint_copy / "mllm" / "config.json").read_text())
+    assert config["text_config"]["vocab_size"] == len(tokenizer)
+    parts = load_boogu(checkpoint_copy, transformer="native")
+    assert parts.text_encoder.get_input_embeddings().num_embeddings == len(tokenizer)
 
 
 def test_is_idempotent(tiny_checkpoint: Path) -> None:

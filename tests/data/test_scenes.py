@@ -75,6 +75,33 @@ def test_splits_hold_out_the_documented_pairs() -> None:
     assert {len(s.objects) for s in scenes["train"]} == {1, 2, 3, 4}
 
 
+def test_grid_layout_puts_every_box_on_whole_cells_and_keeps_the_rules() -> None:
+    from boogu_data.scenes import CELL, GAP, GRID, GRID_SIZES, _box, _relation, sample_scene
+
+    scenes = {split: generate_scenes(0, split, 300, layout="grid") for split in ("train", "val", "test")}
+    assert all(split_of(s) == split for split, found in scenes.items() for s in found)
+    for scene in scenes["train"]:
+        boxes = [_box(o, GRID) for o in scene.objects]
+        for (x0, y0, x1, y1), obj in zip(boxes, scene.objects, strict=True):
+            assert round(obj.size * GRID) in GRID_SIZES
+            assert all(v % CELL == 0 for v in (x0, y0, x1, y1)), (scene, x0, y0)
+            assert min(x0, y0) >= CELL and max(x1, y1) <= GRID - CELL
+        for i, a in enumerate(boxes):  # boxes keep the gap (a whole cell, on the grid)
+            for b in boxes[i + 1 :]:
+                assert max(b[0] - a[2], a[0] - b[2], b[1] - a[3], a[1] - b[3]) >= GAP
+        if scene.relation is not None:
+            centres = [tuple(round(c * GRID) for c in o.centre) for o in scene.objects]
+            assert _relation(centres[0], centres[1]) == scene.relation
+    # Every task and object count still occurs, and a grid scene renders exactly what it says.
+    assert {s.tag for s in scenes["train"]} == {"single_object", "two_object", "counting", "position"}
+    assert {len(s.objects) for s in scenes["train"]} == {1, 2, 3, 4}
+    # The default is the free layout, unchanged; a wrong layout is named.
+    assert generate_scenes(0, "train", 20) == generate_scenes(0, "train", 20, layout="free")
+    assert generate_scenes(0, "train", 20) != generate_scenes(0, "train", 20, layout="grid")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        sample_scene(__import__("random").Random(0), "tiles")
+
+
 def test_captions_parse_back_to_their_scene() -> None:
     for scene in generate_scenes(1, "train", 300) + generate_scenes(1, "test", 100):
         parsed = parse_caption(scene.caption())
@@ -193,6 +220,13 @@ def test_scenes_command_writes_records_and_images(tmp_path: Path, capsys: pytest
             assert png == render_png(scene, 128)
             with Image.open(io.BytesIO(png)) as image:
                 assert image.size == (128, 128)
+    assert marker["layout"] == "free"
+    # --layout grid writes the grid scenes of the same seed, and says so in the marker.
+    grid = tmp_path / "grid"
+    assert main(["scenes", "--output-dir", str(grid), "--seed", "1", "--count", "5", "--layout", "grid"]) == 0
+    assert json.loads((grid / MARKER).read_text())["layout"] == "grid"
+    rows = [Scene.from_json(r.ground_truth) for r in read_records(grid / "train.parquet")]
+    assert rows == generate_scenes(1, "train", 5, layout="grid")
 
 
 def test_scenes_command_refuses_bad_arguments_in_one_line(

@@ -51,18 +51,19 @@ def quick_builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
 
 def test_a_smoke_build_runs_every_stage_and_writes_a_loadable_checkpoint(quick_builds) -> None:
     from boogu_adapters.loading import load_boogu
-    from boogu_adapters.model import TINY_CONFIG
-    from boogu_trainer.tiny_pretrain import PretrainConfig
+    from boogu_trainer.tiny_pretrain import PretrainConfig, transformer_config
 
     folder, _, report = quick_builds
     assert is_complete_tiny_checkpoint(folder)
     assert (folder / "samples.png").is_file()
     assert json.loads((folder / "pretrain_report.json").read_text()) == json.loads(json.dumps(report))
-    for split in ("val", "test"):
+    assert set(report["scores"]) == {"unseen", "val", "test"}
+    for split in ("unseen", "val", "test"):
         scores = report["scores"][split]
         assert scores["prompts"] == 8 and 0.0 <= scores["scene_exact"] <= scores["scene_dense"] <= 1.0
     parts = load_boogu(folder, transformer="native")
-    expected = {**TINY_CONFIG, "patch_size": PretrainConfig().patch_size}
+    expected = transformer_config(PretrainConfig())
+    assert expected["hidden_size"] == PretrainConfig().hidden_size
     assert {k: v for k, v in dict(parts.transformer.config).items() if k in expected} == {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in expected.items()
     }
@@ -82,6 +83,26 @@ def test_a_smoke_build_runs_every_stage_and_writes_a_loadable_checkpoint(quick_b
     )
 
 
+def test_vae_crops_are_aligned_windows_of_the_batch() -> None:
+    import torch
+
+    from boogu_schedule import make_generator
+    from boogu_trainer.tiny_pretrain import _crop
+
+    images = torch.arange(2 * 3 * 128 * 128).reshape(2, 3, 128, 128)
+    generator = make_generator(0)
+    corners = set()
+    for _ in range(40):
+        window = _crop(images, 64, generator)
+        assert window.shape == (2, 3, 64, 64)
+        top, left = divmod(int(window[0, 0, 0, 0]), 128)
+        assert top % 8 == 0 and left % 8 == 0 and top <= 64 and left <= 64
+        assert torch.equal(window, images[..., top : top + 64, left : left + 64])
+        corners.add((top, left))
+    assert len(corners) > 20  # the windows move
+    assert _crop(images[..., :64, :64], 64, generator).shape == (2, 3, 64, 64)  # no room: whole image
+
+
 def test_the_build_is_deterministic(quick_builds) -> None:
     a, b, _ = quick_builds
     assert _weights_digest(a) == _weights_digest(b)
@@ -98,6 +119,16 @@ def test_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="not a boogu-tiny-pretrain output"):
         pretrain(tmp_path, PretrainConfig.quick(), log=lambda _: None)
     assert (tmp_path / "mine.txt").read_text() == "keep me"
+
+
+def test_evaluate_scores_a_built_checkpoint_without_building(quick_builds, capsys) -> None:
+    from boogu_trainer.tiny_pretrain import main
+
+    folder, _, report = quick_builds
+    assert main(["--quick", "--evaluate", str(folder)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(report["scores"]))  # the same samples, the same scores
+    assert main(["--quick"]) == 2 and "--output-dir is required" in capsys.readouterr().err
 
 
 def test_overrides_name_the_field() -> None:

@@ -70,6 +70,7 @@ __all__ = [
     "main",
     "save_trained_assets",
     "verify_trained_assets",
+    "write_text_side",
 ]
 
 logger = logging.getLogger(__name__)
@@ -684,7 +685,24 @@ def _write_mllm(folder: Path, *, tokenizer_dir: Path, seed: int) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def _write_processor(folder: Path) -> None:
+def write_text_side(root: str | os.PathLike[str], *, seed: int, corpus: Sequence[str] = ()) -> None:
+    """Replace the ``processor/`` and ``mllm/`` of the checkpoint at ``root`` with a fabricated pair
+    whose tokenizer also learns its merges from ``corpus``.
+
+    The pretrained tiny checkpoint (``boogu-tiny-pretrain``) uses it to give its text side the words
+    of its own captions: the random build's tokenizer spells "circle" in five byte pieces, and a
+    frozen random text encoder then mixes a shape's identity across them. The text encoder is the
+    random build's (``seed``; the random build uses its ``seed + 2``) with the embedding table sized
+    to the new vocabulary. With an empty ``corpus`` it writes exactly the random build's text side.
+    """
+    root = Path(root)
+    for name in ("processor", "mllm"):
+        shutil.rmtree(root / name, ignore_errors=True)
+    _write_processor(root / "processor", corpus=tuple(corpus))
+    _write_mllm(root / "mllm", tokenizer_dir=root / "processor", seed=seed)
+
+
+def _write_processor(folder: Path, corpus: tuple[str, ...] = ()) -> None:
     """Fabricate a Qwen3-VL processor folder in the layout of the released ``processor/``.
 
     The files are the ones a stock ``Qwen3VLProcessor`` saved by transformers 4.57 (upstream's
@@ -699,7 +717,7 @@ def _write_processor(folder: Path) -> None:
     from its module, where it can be built without torchvision (only processing videos needs it);
     ``transformers.Qwen3VLVideoProcessor`` is a torchvision placeholder.
     """
-    vocab, merges = _train_byte_level_bpe()
+    vocab, merges = _train_byte_level_bpe(corpus)
     for token in QWEN_SPECIAL_TOKENS:  # after the regular vocabulary, as in Qwen's
         vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(
@@ -735,8 +753,8 @@ def _write_processor(folder: Path) -> None:
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
-def _train_byte_level_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A small byte-level BPE (Qwen's tokenizer family), trained here on a fixed corpus.
+def _train_byte_level_bpe(corpus: tuple[str, ...] = ()) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A small byte-level BPE (Qwen's tokenizer family), trained here on a fixed corpus (plus ``corpus``).
 
     Every byte is in the vocabulary, so any text round-trips exactly. The merges come from
     Boogu's two system prompts and a few prompt-like sentences, which makes templated prompts
@@ -751,7 +769,7 @@ def _train_byte_level_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
         special_tokens=[],
         show_progress=False,
     )
-    bpe.train_from_iterator([SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I, *_BPE_CORPUS], trainer)
+    bpe.train_from_iterator([SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I, *_BPE_CORPUS, *corpus], trainer)
     model = json.loads(bpe.to_str())["model"]
     # tokenizers writes merges as [a, b] pairs (older versions: "a b" strings); Qwen2Tokenizer wants tuples.
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]

@@ -30,7 +30,7 @@ from boogu_data.convert import DEFAULT_IMAGE_SIZE, ConversionReport, convert_edi
 from boogu_data.errors import DatasetError
 from boogu_data.read import dataset_files, read_records
 from boogu_data.record import PromptRecord
-from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, write_scenes
+from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, LAYOUTS, write_scenes
 from boogu_data.schema import SCHEMA_VERSION_KEY
 
 __all__ = ["build_parser", "main"]
@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=DEFAULT_COUNTS[split],
             help=f"{split} rows (default %(default)s)",
         )
+    scenes.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="free",
+        help="free: objects anywhere; grid: on whole 8-unit cells, as the tiny model trains (default %(default)s)",
+    )
     scenes.add_argument("--no-images", action="store_true", help="write the parquet files only")
     scenes.add_argument(
         "--overwrite",
@@ -190,6 +196,7 @@ def _scenes(args: argparse.Namespace) -> int:
             counts={"train": args.train_count, "val": args.val_count, "test": args.test_count},
             images=not args.no_images,
             overwrite=args.overwrite,
+            layout=args.layout,
         )
     except DatasetError:
         raise

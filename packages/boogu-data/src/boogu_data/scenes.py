@@ -37,6 +37,12 @@ size. In a ``position`` scene the two centres differ by at least 16 units along 
 and by at most half that along the other. Images are drawn without anti-aliasing (hard edges), so
 the same scene gives the same pixels on every machine.
 
+Layouts: the above is the ``free`` layout (the default). The ``grid`` layout keeps the captions and
+the rules but puts every bounding box on whole :data:`CELL`-unit cells (8 units: one latent cell of
+an 8x VAE at 64²), at least one cell in from the border, with sizes :data:`GRID_SIZES` (16 and 24
+units). A shape then looks the same in every cell it can occupy, which is what the tiny pretrained
+model trains on (a shape at one of 64 sub-cell phases was too much for it; docs/tiny-model.md).
+
 Splits (prompt-level hold-out of colour-shape pairs): a scene that contains a pair of
 :data:`TEST_PAIRS` (blue triangle, yellow circle) is a ``test`` scene; else one that contains a pair
 of :data:`VAL_PAIRS` (green square) is a ``val`` scene; every other scene is a ``train`` scene. So no
@@ -72,8 +78,11 @@ from boogu_data.write import RecordWriter
 
 __all__ = [
     "BACKGROUND",
+    "CELL",
     "COLOURS",
     "DATA_SOURCE",
+    "GRID_SIZES",
+    "LAYOUTS",
     "MARKER",
     "NUMBERS",
     "PALETTE",
@@ -128,6 +137,11 @@ MARKER: Final[str] = "scenes.json"
 GRID: Final[int] = 64
 """Scene units per image side."""
 SIZES: Final[tuple[int, ...]] = (12, 16, 20)
+LAYOUTS: Final[tuple[str, ...]] = ("free", "grid")
+CELL: Final[int] = 8
+"""The ``grid`` layout's cell, in units: one latent cell of an 8x VAE at 64²."""
+GRID_SIZES: Final[tuple[int, ...]] = (16, 24)
+"""Object sizes of the ``grid`` layout: two and three cells."""
 MARGIN: Final[int] = 2
 GAP: Final[int] = 4
 MIN_SHIFT: Final[int] = 16
@@ -361,13 +375,17 @@ def split_of(scene: Scene) -> str:
     return "train"
 
 
-def _place(rng: random.Random, sizes: list[int]) -> list[tuple[int, int]] | None:
+def _place(rng: random.Random, sizes: list[int], layout: str = "free") -> list[tuple[int, int]] | None:
     """Centres (in units) for boxes of ``sizes`` that keep the margin and the gap, or None."""
     boxes: list[tuple[int, int, int]] = []
     for side in sizes:
         low, high = MARGIN + (side + 1) // 2, GRID - MARGIN - (side + 1) // 2
+        corners = list(range(CELL, GRID - CELL - side + 1, CELL))  # grid: boxes on whole cells
         for _ in range(200):
-            x, y = rng.randint(low, high), rng.randint(low, high)
+            if layout == "grid":
+                x, y = rng.choice(corners) + side // 2, rng.choice(corners) + side // 2
+            else:
+                x, y = rng.randint(low, high), rng.randint(low, high)
             if all(
                 abs(x - bx) * 2 >= side + bs + 2 * GAP or abs(y - by) * 2 >= side + bs + 2 * GAP
                 for bx, by, bs in boxes
@@ -389,22 +407,31 @@ def _relation(a: tuple[int, int], b: tuple[int, int]) -> str | None:
     return None
 
 
-def sample_scene(rng: random.Random) -> Scene:
-    """One random scene (any split): a tag by :data:`TAGS`, then its objects and layout."""
+def sample_scene(rng: random.Random, layout: str = "free") -> Scene:
+    """One random scene (any split): a tag by :data:`TAGS`, then its objects and layout.
+
+    ``layout`` ``"free"`` puts centres anywhere on the unit grid, with sizes :data:`SIZES`;
+    ``"grid"`` puts every bounding box on whole :data:`CELL`-unit cells, one cell in from the border,
+    with sizes :data:`GRID_SIZES`. Same captions, far fewer distinct images: a shape's pixels are
+    the same in every cell, which is what lets the tiny transformer learn shapes (docs/tiny-model.md).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    sizes_of = SIZES if layout == "free" else GRID_SIZES
     tag = rng.choices(list(TAGS), weights=list(TAGS.values()))[0]
     while True:
         if tag == "counting":
             count = rng.randint(2, 4)
             kinds = [(rng.choice(COLOURS), rng.choice(SHAPES))] * count
             # Four objects of the largest size rarely fit; keep them small.
-            sizes = [rng.choice(SIZES[:2] if count == 4 else SIZES) for _ in kinds]
+            sizes = [rng.choice(sizes_of[:2] if count == 4 else sizes_of) for _ in kinds]
         else:
             n = 1 if tag == "single_object" else 2
             kinds = [(rng.choice(COLOURS), rng.choice(SHAPES)) for _ in range(n)]
             if n == 2 and kinds[0] == kinds[1]:
                 continue  # two identical phrases are a counting caption
-            sizes = [rng.choice(SIZES) for _ in kinds]
-        centres = _place(rng, sizes)
+            sizes = [rng.choice(sizes_of) for _ in kinds]
+        centres = _place(rng, sizes, layout)
         if centres is None:
             continue
         relation = None
@@ -419,14 +446,15 @@ def sample_scene(rng: random.Random) -> Scene:
         return Scene(tag, objects, relation)
 
 
-def generate_scenes(seed: int, split: str, count: int) -> list[Scene]:
-    """``count`` scenes of ``split`` (:func:`split_of`), drawn from the split's own seeded stream."""
+def generate_scenes(seed: int, split: str, count: int, *, layout: str = "free") -> list[Scene]:
+    """``count`` scenes of ``split`` (:func:`split_of`), drawn from the split's own seeded stream
+    (``layout``: see :func:`sample_scene`)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"boogu-scenes/{seed}/{split}")
     scenes: list[Scene] = []
     while len(scenes) < count:
-        scene = sample_scene(rng)
+        scene = sample_scene(rng, layout)
         if split_of(scene) == split:
             scenes.append(scene)
     return scenes
@@ -501,6 +529,7 @@ def write_scenes(
     counts: dict[str, int] | None = None,
     images: bool = True,
     overwrite: bool = False,
+    layout: str = "free",
 ) -> ScenesReport:
     """Write ``{train,val,test}.parquet`` (and ``images/<split>/<index:05d>.png``) into ``output_dir``.
 
@@ -512,13 +541,15 @@ def write_scenes(
     place with one rename (:func:`boogu_data.atomic.commit_folder`).
 
     Raises:
-        ValueError: a bad ``seed``, ``size`` or count (the message names the option).
+        ValueError: a bad ``seed``, ``size``, ``layout`` or count (the message names the option).
         OutputError: ``output_dir`` may not be written (see :func:`check_output_dir`) or writing failed.
     """
     counts = dict(DEFAULT_COUNTS if counts is None else counts)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"--seed must be an int >= 0, got {seed!r}")
     _check_size(size)
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout must be one of {LAYOUTS}, got {layout!r}")
     if set(counts) != set(SPLITS):
         raise ValueError(f"counts must give {SPLITS}, got {sorted(counts)}")
     for split, n in counts.items():
@@ -539,7 +570,7 @@ def write_scenes(
             folder = staging / "images" / split
             if images:
                 folder.mkdir(parents=True)
-            for index, scene in enumerate(generate_scenes(seed, split, counts[split])):
+            for index, scene in enumerate(generate_scenes(seed, split, counts[split], layout=layout)):
                 writer.write(scene.record(split, index))
                 if images:
                     (folder / f"{index:05d}.png").write_bytes(render_png(scene, size))
@@ -549,6 +580,7 @@ def write_scenes(
             "version": 1,
             "seed": seed,
             "size": size,
+            "layout": layout,
             "counts": {split: counts[split] for split in SPLITS},
             "images": images,
             "palette": {name: list(rgb) for name, rgb in PALETTE.items()},

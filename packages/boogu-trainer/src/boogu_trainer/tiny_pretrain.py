@@ -5,14 +5,17 @@
 1. **Scenes** (:mod:`boogu_data.scenes`): ``train_scenes`` train captions and renders, drawn from the
    scene set's own seeded streams; the val and test splits hold out colour-shape pairs.
 2. **The rest of the checkpoint**: the tiny random build (:func:`boogu_adapters.tiny.ensure_tiny_checkpoint`,
-   seed 42): processor, scheduler, the tiny Qwen3-VL text encoder. The text encoder stays as built
-   (random and frozen): its features carry the caption's tokens, and the transformer learns to read them.
+   seed 42): processor, scheduler, the tiny Qwen3-VL text encoder, with a text side of its own
+   (``scene_vocabulary``): the byte-level tokenizer also learns the scene words (:func:`scene_corpus`),
+   so every colour, shape, number and relation is one token, and the text encoder is rebuilt for
+   that vocabulary. It stays random and frozen: its features carry the caption's tokens, and the
+   transformer learns to read them.
 3. **VAE**: a FLUX-layout ``AutoencoderKL`` (16 latent channels, 8x down, no quant convs; widths
    ``vae_widths``) trained on the renders with an L2 loss that weights object (non-white) pixels
    ``vae_object_weight`` times (plain L2 paints every object in the palette's mean colour) and a
    tiny KL term. Its ``shift_factor``/``scaling_factor`` are then set from the train latents (mean 0,
    std 1), as the FLUX VAE's were.
-4. **Transformer**: ``BooguImageTransformer2DModel(**TINY_CONFIG)`` with ``patch_size`` 1 from upstream's
+4. **Transformer**: ``BooguImageTransformer2DModel(**TINY_CONFIG)`` with ``hidden_size`` 128 and ``patch_size`` 1 from upstream's
    init, trained with the flow-matching objective in Boogu's conventions (docs/upstream-model.md §8):
    a noise level ``sigma`` from the checkpoint's schedule (static v1 shift, ``seq_len``
    ``schedule_seq_len``; 1000 levels),
@@ -45,6 +48,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -67,20 +71,27 @@ from boogu_adapters.encoding import decode_latents, encode_prompts, vae_to_laten
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, get_freqs_cis
 from boogu_adapters.step import _forward, pad_features
-from boogu_adapters.tiny import RELEASED_SCHEDULER_CONFIG, ensure_tiny_checkpoint, save_trained_assets
+from boogu_adapters.tiny import (
+    RELEASED_SCHEDULER_CONFIG,
+    ensure_tiny_checkpoint,
+    save_trained_assets,
+    write_text_side,
+)
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_data.atomic import commit_folder, stage_folder
-from boogu_data.scenes import generate_scenes, render
+from boogu_data.scenes import COLOURS, NUMBERS, RELATIONS, SHAPES, generate_scenes, render
 from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forward_noise, make_generator
 from boogu_schedule.sde import Sampler
 from boogu_trainer.rewards.scene import scene_dense, scene_exact
 
-__all__ = ["PretrainConfig", "main", "pretrain"]
+__all__ = ["PretrainConfig", "evaluate_checkpoint", "evaluation_scenes", "main", "pretrain"]
 
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "pretrain_report.json"
+TEXT_SEED = 42
+"""Seed of the tiny random build whose processor, scheduler and text encoder the checkpoint starts from."""
 
 
 @dataclass(frozen=True)
@@ -90,30 +101,49 @@ class PretrainConfig:
     seed: int = 0
     """Seeds the scenes (``boogu-scenes/{seed}/...``), the VAE and transformer inits and every draw."""
     size: int = 64
-    """Image side in pixels (16 image tokens at 64²: 8x VAE, 2x2 patches)."""
+    """Image side in pixels: 64 image tokens at 64² (8x VAE, patch size 1). 128² (256 tokens, the VAE
+    trained on 64² crops) learned worse at equal wall time (docs/tiny-model.md)."""
+    scene_layout: str = "grid"
+    """Layout of the training scenes (:func:`boogu_data.scenes.sample_scene`): ``grid`` puts every
+    object on whole latent cells, so a shape has one latent pattern instead of 64 sub-cell phases;
+    at equal steps it doubled the exact score of ``free`` (docs/tiny-model.md). Captions are the same."""
     train_scenes: int = 8000
     eval_prompts: int = 200
     """Val and test prompts scored at the end (each)."""
     threads: int = 2
+    hidden_size: int = 128
+    """The transformer's width (TINY_CONFIG has 64); its heads stay 16 wide (``hidden_size // 16`` query
+    heads, half as many kv heads). At equal wall time on 2 cores, 128 reached a lower loss than 64
+    (docs/tiny-model.md)."""
+    num_layers: int = 2
+    """Transformer blocks, double-stream ones included (TINY_CONFIG: 2)."""
+    num_double_stream_layers: int = 1
     patch_size: int = 1
-    """The transformer's patch size (TINY_CONFIG has 2): 1 gives 64 image tokens at 64², one per 8x8
-    pixels, so that a shape spans several tokens (with 2, a whole 12-pixel object fell in one token)."""
+    """The transformer's patch size (TINY_CONFIG has 2): 1 gives one image token per 8x8 pixels, so
+    that a shape spans several tokens."""
     schedule_seq_len: int = 256
     """``seq_len`` of the checkpoint's static v1 time shift (released: 4096, shift e^1.15 = 3.2, for
-    4096-token images); 256 gives the formula's smallest shift, e^0.5 = 1.65, for these 64-token images."""
+    4096-token images); 256 gives e^0.5 = 1.65, the formula's value for these 256-token images."""
     vae_widths: tuple[int, ...] = (8, 16, 32, 64)
     vae_groups: int = 8
-    vae_steps: int = 1500
+    vae_steps: int = 2000
     vae_batch: int = 16
+    vae_crop: int = 64
+    """The VAE trains on random ``vae_crop``² windows of the renders (8-pixel aligned; a convolutional
+    autoencoder does not need the whole image), a quarter of the cost per step at 128²."""
     vae_lr: float = 2e-3
     vae_object_weight: float = 10.0
     vae_kl_weight: float = 1e-6
-    dit_steps: int = 6000
+    dit_steps: int = 4500
     dit_batch: int = 32
     dit_lr: float = 1e-3
     dit_warmup: int = 200
     ema_decay: float = 0.999
     cond_dropout: float = 0.1
+    scene_vocabulary: bool = True
+    """Give the checkpoint a text side of its own (:func:`boogu_adapters.tiny.write_text_side`): the
+    tokenizer also learns the scene words (one token each: "circle" was five byte pieces), the
+    random frozen text encoder is sized to it. ``False`` keeps the random build's."""
     eval_every: int = 1500
     """Transformer steps between progress evaluations (64 val prompts; 0: none)."""
     eval_steps: int = 20
@@ -138,6 +168,16 @@ class PretrainConfig:
 # ----------------------------------------------------------------------------------------- stages
 
 
+def scene_corpus() -> list[str]:
+    """Every word of the scene grammar (boogu_data.scenes), in caption-like phrases: the tokenizer's
+    extra training text, so that each colour, shape, number and relation becomes one token."""
+    phrases = [f"a {colour} {shape}" for colour in COLOURS for shape in SHAPES]
+    phrases += [f"{number} {colour} {shape}s" for number in NUMBERS for colour in COLOURS for shape in SHAPES]
+    phrases += [f"a red circle {relation} a blue square" for relation in RELATIONS]
+    phrases.append("a red circle and a blue square")
+    return phrases
+
+
 def _images(scenes: Sequence[Any], size: int) -> torch.Tensor:
     """uint8 (N, 3, size, size) renders."""
     arrays = np.stack([np.asarray(render(scene, size), dtype=np.uint8) for scene in scenes])
@@ -146,6 +186,11 @@ def _images(scenes: Sequence[Any], size: int) -> torch.Tensor:
 
 def _records(scenes: Sequence[Any], split: str) -> list[PromptRecord]:
     return [scene.record(split, i) for i, scene in enumerate(scenes)]
+
+
+def _split_records(scenes: Sequence[Any], split: str) -> list[PromptRecord]:
+    """Records of an :func:`evaluation_scenes` split (``unseen`` captions are train-split rows)."""
+    return _records(scenes, "train" if split == "unseen" else split)
 
 
 def _to_unit(images: torch.Tensor) -> torch.Tensor:
@@ -188,6 +233,18 @@ def _build_vae(config: PretrainConfig, generator_seed: int):
         )
 
 
+def _crop(images: torch.Tensor, side: int, generator: torch.Generator) -> torch.Tensor:
+    """One random ``side``² window of a batch, its corner on the 8-pixel grid (the VAE's cell)."""
+    height, width = images.shape[-2:]
+    if side >= min(height, width):
+        return images
+    top, left = (
+        int(torch.randint(0, (extent - side) // 8 + 1, (), generator=generator, device=generator.device)) * 8
+        for extent in (height, width)
+    )
+    return images[..., top : top + side, left : left + side]
+
+
 def train_vae(
     vae: torch.nn.Module, images: torch.Tensor, config: PretrainConfig, log: Callable[[str], None]
 ) -> list[float]:
@@ -201,11 +258,15 @@ def train_vae(
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config.vae_steps, config.vae_lr, min(50, config.vae_steps))
         x = _to_unit(
-            images[
-                torch.randint(
-                    0, images.shape[0], (config.vae_batch,), generator=generator, device=generator.device
-                )
-            ]
+            _crop(
+                images[
+                    torch.randint(
+                        0, images.shape[0], (config.vae_batch,), generator=generator, device=generator.device
+                    )
+                ],
+                config.vae_crop,
+                generator,
+            )
         )
         posterior = vae.encode(x).latent_dist
         reconstruction = vae.decode(posterior.sample(generator=generator)).sample
@@ -335,6 +396,24 @@ def train_transformer(
     return ema, losses
 
 
+def transformer_config(config: PretrainConfig) -> dict[str, Any]:
+    """``TINY_CONFIG`` with the build's width, depth and patch size (heads 16 wide, GQA 2:1 as in TINY_CONFIG)."""
+    if config.hidden_size % 32:
+        raise ValueError(
+            f"hidden_size must be a multiple of 32 (16-wide heads, 2 per kv head), got {config.hidden_size}"
+        )
+    heads = config.hidden_size // 16
+    return {
+        **TINY_CONFIG,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": heads,
+        "num_kv_heads": heads // 2,
+        "num_layers": config.num_layers,
+        "num_double_stream_layers": config.num_double_stream_layers,
+        "patch_size": config.patch_size,
+    }
+
+
 def _copy_model(model: torch.nn.Module) -> torch.nn.Module:
     copy = deepcopy(model)  # not a rebuild from model.config: a loaded model's config carries auto_map
     copy.requires_grad_(False)
@@ -360,6 +439,47 @@ def sample_and_score(
         )
     )
     return batch.images, scene_exact()(batch.images, records), scene_dense()(batch.images, records)
+
+
+def evaluation_scenes(config: PretrainConfig) -> dict[str, list[Any]]:
+    """The scenes a build is scored on: ``eval_prompts`` of ``unseen`` (train-split captions after
+    the ``train_scenes`` it trains on: seen colour-shape pairs, new compositions), ``val`` and ``test``
+    (held-out pairs)."""
+    draw = functools.partial(generate_scenes, config.seed, layout=config.scene_layout)
+    return {
+        "unseen": draw("train", config.train_scenes + config.eval_prompts)[config.train_scenes :],
+        "val": draw("val", config.eval_prompts),
+        "test": draw("test", config.eval_prompts),
+    }
+
+
+def score_split(
+    parts: Any, records: Sequence[PromptRecord], config: PretrainConfig
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """One ODE sample per record, scored: (images, exact, summary with the standard error and the
+    exact score per task)."""
+    images, exact, dense = sample_and_score(parts, records, config)
+    summary = {
+        "prompts": len(records),
+        "scene_exact": float(exact.mean()),
+        "scene_exact_se": float(exact.std() / math.sqrt(len(records))) if len(records) > 1 else 0.0,
+        "scene_dense": float(dense.mean()),
+        "scene_exact_by_task": {
+            tag: float(exact[[r.ability == tag for r in records]].mean())
+            for tag in sorted({r.ability for r in records})
+        },
+    }
+    return images, exact, summary
+
+
+def evaluate_checkpoint(folder: str | os.PathLike[str], config: PretrainConfig) -> dict[str, dict[str, Any]]:
+    """Score a built checkpoint on :func:`evaluation_scenes` (what ``--evaluate DIR`` prints)."""
+    torch.set_num_threads(config.threads)
+    parts = load_boogu(Path(folder).expanduser(), transformer="native")
+    return {
+        split: score_split(parts, _split_records(scenes, split), config)[2]
+        for split, scenes in evaluation_scenes(config).items()
+    }
 
 
 def verdict_grid(images: torch.Tensor, verdicts: torch.Tensor, columns: int = 8) -> Image.Image:
@@ -394,8 +514,8 @@ def pretrain(
     begin = time.perf_counter()
 
     t = time.perf_counter()
-    train = generate_scenes(config.seed, "train", config.train_scenes)
-    evals = {split: generate_scenes(config.seed, split, config.eval_prompts) for split in ("val", "test")}
+    train = generate_scenes(config.seed, "train", config.train_scenes, layout=config.scene_layout)
+    evals = evaluation_scenes(config)
     train_images = _images(train, config.size)
     val_images = _images(evals["val"], config.size)
     times["scenes"] = time.perf_counter() - t
@@ -404,7 +524,9 @@ def pretrain(
     )
 
     with tempfile.TemporaryDirectory(prefix="boogu-pretrain-") as scratch:
-        base = ensure_tiny_checkpoint(Path(scratch) / "random")
+        base = ensure_tiny_checkpoint(Path(scratch) / "random", seed=TEXT_SEED)
+        if config.scene_vocabulary:
+            write_text_side(base, seed=TEXT_SEED + 2, corpus=scene_corpus())
         parts = load_boogu(base, transformer="native")
 
         t = time.perf_counter()
@@ -449,7 +571,7 @@ def pretrain(
         t = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed * 1000 + 4)
-            model = BooguImageTransformer2DModel(**{**TINY_CONFIG, "patch_size": config.patch_size})
+            model = BooguImageTransformer2DModel(**transformer_config(config))
         ema, dit_losses = train_transformer(model, latents, hidden, mask, sigma_levels, config, log, evaluate)
         times["transformer"] = time.perf_counter() - t
 
@@ -458,22 +580,12 @@ def pretrain(
         scores: dict[str, dict[str, Any]] = {}
         grid_images = grid_verdicts = None
         for split, scenes in evals.items():
-            records = _records(scenes, split)
-            images, exact, dense = sample_and_score(trained, records, config)
-            scores[split] = {
-                "prompts": len(records),
-                "scene_exact": float(exact.mean()),
-                "scene_exact_se": float(exact.std() / math.sqrt(len(records))) if len(records) > 1 else 0.0,
-                "scene_dense": float(dense.mean()),
-                "scene_exact_by_task": {
-                    tag: float(exact[[r.ability == tag for r in records]].mean())
-                    for tag in sorted({r.ability for r in records})
-                },
-            }
+            images, exact, scores[split] = score_split(trained, _split_records(scenes, split), config)
             if split == "val":
                 grid_images, grid_verdicts = images[:32], exact[:32]
             log(
-                f"{split}: scene_exact {exact.mean():.3f} ± {scores[split]['scene_exact_se']:.3f}, dense {dense.mean():.3f}"
+                f"{split}: scene_exact {exact.mean():.3f} ± {scores[split]['scene_exact_se']:.3f}, "
+                f"dense {scores[split]['scene_dense']:.3f}"
             )
         times["evaluation"] = time.perf_counter() - t
         times["total"] = time.perf_counter() - begin
@@ -542,11 +654,14 @@ def _save_transformer(model: torch.nn.Module, folder: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``boogu-tiny-pretrain``: rebuild the pretrained tiny checkpoint from scratch."""
     parser = argparse.ArgumentParser(prog="boogu-tiny-pretrain", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--output-dir", required=True, help="where the checkpoint goes (a new or earlier output folder)"
-    )
+    parser.add_argument("--output-dir", help="where the checkpoint goes (a new or earlier output folder)")
     parser.add_argument("--seed", type=int, default=PretrainConfig.seed)
     parser.add_argument("--quick", action="store_true", help="a smoke build in seconds (nothing is learned)")
+    parser.add_argument(
+        "--evaluate",
+        metavar="DIR",
+        help="build nothing: score the checkpoint in DIR on the build's evaluation captions and print JSON",
+    )
     parser.add_argument(
         "--save-assets",
         action="store_true",
@@ -566,6 +681,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = dataclasses.replace(config, seed=args.seed, **_overrides(args.set))
     except (TypeError, ValueError) as error:
         print(f"boogu-tiny-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    if args.evaluate:
+        print(json.dumps(evaluate_checkpoint(args.evaluate, config), indent=2))
+        return 0
+    if not args.output_dir:
+        print("boogu-tiny-pretrain: error: --output-dir is required (or --evaluate DIR)", file=sys.stderr)
         return 2
     try:
         pretrain(args.output_dir, config, log=lambda line: print(line, flush=True))
