@@ -113,8 +113,8 @@ class PretrainConfig:
     threads: int = 2
     hidden_size: int = 128
     """The transformer's width (TINY_CONFIG has 64); its heads stay 16 wide (``hidden_size // 16`` query
-    heads, half as many kv heads). At equal wall time on 2 cores, 128 reached a lower loss than 64
-    (docs/tiny-model.md)."""
+    heads, half as many kv heads). At equal steps 128 reached a lower loss and about twice the exact
+    score of 64 (docs/tiny-model.md, runs e1/e2)."""
     num_layers: int = 2
     """Transformer blocks, double-stream ones included (TINY_CONFIG: 2)."""
     num_double_stream_layers: int = 1
@@ -123,7 +123,7 @@ class PretrainConfig:
     that a shape spans several tokens."""
     schedule_seq_len: int = 256
     """``seq_len`` of the checkpoint's static v1 time shift (released: 4096, shift e^1.15 = 3.2, for
-    4096-token images); 256 gives e^0.5 = 1.65, the formula's value for these 256-token images."""
+    4096-token images); 256 gives the formula's smallest shift, e^0.5 = 1.65 (these images have 64 tokens)."""
     vae_widths: tuple[int, ...] = (8, 16, 32, 64)
     vae_groups: int = 8
     vae_steps: int = 2000
