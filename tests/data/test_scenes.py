@@ -75,6 +75,14 @@ def test_splits_hold_out_the_documented_pairs() -> None:
     assert {len(s.objects) for s in scenes["train"]} == {1, 2, 3, 4}
 
 
+def test_keep_draws_an_in_order_subset_of_the_same_stream() -> None:
+    stream = generate_scenes(0, "train", 200, layout="grid")
+    wanted = [s for s in stream if s.tag == "position"]
+    assert (
+        generate_scenes(0, "train", len(wanted), layout="grid", keep=lambda s: s.tag == "position") == wanted
+    )
+
+
 def test_grid_layout_puts_every_box_on_whole_cells_and_keeps_the_rules() -> None:
     from boogu_data.scenes import CELL, GAP, GRID, GRID_SIZES, _box, _relation, sample_scene
 

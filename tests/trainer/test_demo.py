@@ -1,8 +1,8 @@
 """The demos.
 
 * The scenes recipe (``examples/tiny_scenes/scenes_demo.yaml``): the pretrained tiny model trains on
-  the dense verifier and is judged by the exact one on held-out prompts; its ending (base vs trained,
-  ``heldout.json`` and the before/after grid) is checked here on the random model, fast.
+  the dense verifier and is judged by the exact one on held-out captions; its ending (base vs
+  trained, ``heldout.json`` and the before/after grid) is checked here on the random model, fast.
 * The demo (``trainer`` with no arguments, ``demo_config``): its reward rises by more than
   twice the standard error over its 30 steps. (That a reward falls when the advantage's sign is
   flipped, for every algorithm, is checked in ``test_algorithms.py``.)
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from boogu_data.scenes import TEST_PAIRS, VAL_PAIRS, Scene, parse_caption
+from boogu_data.scenes import TAGS, TEST_PAIRS, VAL_PAIRS, Scene, generate_scenes, parse_caption
 from boogu_trainer.config import demo_config, load_config
-from boogu_trainer.data import demo_records
+from boogu_trainer.data import demo_records, scene_caption_held_out
 from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON, heldout_comparison, paired_summary
 from boogu_trainer.metrics import summarize_rewards
 from boogu_trainer.trainer import Trainer
@@ -41,23 +41,39 @@ SCENES_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_scenes"
 def test_the_scenes_recipe_trains_on_the_dense_verifier_and_judges_by_the_exact_one():
     config = load_config(str(SCENES_RECIPE), [])
     assert config.model.tiny == "scenes" and not config.model.path and config.data.demo_set == "scenes"
-    assert not config.data.train_files and not config.data.val_files  # built-in prompts, held-out test split
+    assert not config.data.train_files and not config.data.val_files  # built-in prompts
+    assert config.data.demo_eval_split == "heldout"
     assert [r.name for r in config.reward.rewards] == ["scene_dense"]
     assert [r.name for r in config.eval.rewards] == ["scene_exact"]
     assert config.eval.every > 0 and config.eval.num_prompts >= 100
 
 
-def test_built_in_scene_prompts_are_the_scene_sets_splits():
-    train = demo_records(50, "scenes")
+def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
+    train = demo_records(400, "scenes")
+    heldout = demo_records(200, "scenes", split="heldout")
     test = demo_records(50, "scenes", split="test")
-    assert [r.index for r in train] == list(range(50)) and {r.split for r in test} == {"test"}
-    for record in train + test:
+    assert [r.index for r in train] == list(range(400)) and {r.split for r in heldout} == {"heldout"}
+    for record in train + heldout + test:
         parse_caption(record.instruction)  # in the verifier's grammar
         assert Scene.from_json(record.ground_truth).caption() == record.instruction
-    assert all(not (Scene.from_json(r.ground_truth).pairs() & (TEST_PAIRS | VAL_PAIRS)) for r in train)
+    # Held-out captions never occur among the training prompts (nor would in a longer run).
+    assert all(scene_caption_held_out(r.instruction) for r in heldout)
+    assert not any(scene_caption_held_out(r.instruction) for r in train)
+    assert not {r.instruction for r in train} & {r.instruction for r in heldout}
+    # Every task type is in both; both are train-split scenes (no held-out colour-shape pair).
+    assert {r.ability for r in train} == {r.ability for r in heldout} == set(TAGS)
+    for record in train + heldout:
+        assert not (Scene.from_json(record.ground_truth).pairs() & (TEST_PAIRS | VAL_PAIRS))
     assert all(Scene.from_json(r.ground_truth).pairs() & TEST_PAIRS for r in test)
+    # The pretraining's scenes (grid layout, seed 0), in stream order, divided by caption.
+    stream = generate_scenes(0, "train", 600, layout="grid")
+    assert [s.to_json() for s in stream if not scene_caption_held_out(s.caption())][:100] == [
+        r.ground_truth for r in train[:100]
+    ]
     with pytest.raises(ValueError, match="no built-in 'ocr' prompts of split 'test'"):
         demo_records(4, "ocr", split="test")
+    with pytest.raises(ValueError, match="no built-in scenes prompts of split 'unseen'"):
+        demo_records(4, "scenes", split="unseen")
 
 
 def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoint, tmp_path):
@@ -77,7 +93,7 @@ def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoi
             "eval.num_prompts=4",
             "eval.num_steps=2",
             "eval.rewards=[{name: scene_exact}]",
-            "reward.rewards=[{name: scene_dense}]",
+            "reward.rewards=[{name: demo_brightness}]",  # moves the random model in one step
             "optim.lr=0.05",
             "total_steps=1",
             f"logging.run_dir={tmp_path}",

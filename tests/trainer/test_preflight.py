@@ -22,6 +22,12 @@ def constant_reward(images, records):
     return torch.full((images.shape[0],), 0.5)
 
 
+def prompt_only_reward(images, records):
+    """A reward that tells prompts apart and rates every image of a prompt alike (a coarse verifier
+    on few-step probe images)."""
+    return torch.tensor([float(r.index) for r in records])
+
+
 def lora_of(trainer):
     return {k: v.detach().clone() for k, v in lora_state_dict(trainer.transformer).items()}
 
@@ -204,6 +210,22 @@ def test_a_constant_reward_is_a_named_stop_before_any_output(tiny_checkpoint, tm
     )
     history = trainer.train()
     assert len(history) == 1 and trainer.preflight_report is None
+
+
+def test_a_reward_that_varies_only_across_prompts_passes_with_a_note(tiny_checkpoint, tmp_path):
+    trainer = Trainer(
+        small_config(
+            tiny_checkpoint,
+            tmp_path,
+            "reward.rewards=[{name: 'tests.trainer.test_preflight:prompt_only_reward'}]",
+        )
+    )
+    try:
+        report = run_preflight(trainer)
+    finally:
+        trainer.close()
+    check = next(c for c in report.checks if c.name == "reward_spread")
+    assert check.passed and "within none of its 2 groups" in check.detail, check
 
 
 def test_a_run_with_preflight_trains_exactly_like_one_without(tiny_checkpoint, tmp_path):

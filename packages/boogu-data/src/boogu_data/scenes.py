@@ -64,6 +64,7 @@ import random
 import re
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
@@ -446,16 +447,19 @@ def sample_scene(rng: random.Random, layout: str = "free") -> Scene:
         return Scene(tag, objects, relation)
 
 
-def generate_scenes(seed: int, split: str, count: int, *, layout: str = "free") -> list[Scene]:
+def generate_scenes(
+    seed: int, split: str, count: int, *, layout: str = "free", keep: Callable[[Scene], bool] | None = None
+) -> list[Scene]:
     """``count`` scenes of ``split`` (:func:`split_of`), drawn from the split's own seeded stream
-    (``layout``: see :func:`sample_scene`)."""
+    (``layout``: see :func:`sample_scene`); with ``keep``, only the stream's scenes it accepts (a
+    subset of the same stream, in order)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"boogu-scenes/{seed}/{split}")
     scenes: list[Scene] = []
     while len(scenes) < count:
         scene = sample_scene(rng, layout)
-        if split_of(scene) == split:
+        if split_of(scene) == split and (keep is None or keep(scene)):
             scenes.append(scene)
     return scenes
 

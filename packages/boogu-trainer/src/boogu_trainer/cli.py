@@ -38,7 +38,7 @@ from boogu_trainer.config import (
     load_config,
 )
 
-_BUILT_IN = {"ocr": "built-in prompts", "scenes": "built-in scene captions (held-out: their test split)"}
+_BUILT_IN = {"ocr": "built-in prompts", "scenes": "built-in scene captions (held-out: data.demo_eval_split)"}
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:

@@ -3,6 +3,7 @@ drawn in a deterministic, resumable order."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -14,18 +15,34 @@ from boogu_data.convert import first_quoted_span
 from boogu_schedule import derive_seed, make_generator
 
 SCENES_SEED = 0
-"""The seed of the built-in scene prompts (``boogu-data scenes --seed 0``: what the tiny model was
-pretrained on, so its train split is the pretraining's, and val and test are held out)."""
+"""The seed of the built-in scene prompts (``boogu-data scenes --seed 0 --layout grid``: what the tiny
+model was pretrained on, so its train split is the pretraining's, and val and test are held out)."""
+SCENES_LAYOUT = "grid"
+"""The layout of the built-in scenes: the pretraining's."""
+SCENE_SPLITS = ("train", "heldout", "val", "test")
+"""The built-in scene prompts (``data.demo_heldout`` picks the evaluation's):
+
+* ``train``: train-split scenes whose caption is not held out: what the demo trains on;
+* ``heldout``: train-split scenes whose caption is held out (:func:`scene_caption_held_out`, about a
+  quarter of the 396 train captions): colour-shape pairs and captions the pretraining saw, never
+  a prompt of the RL run;
+* ``val`` and ``test``: the scene set's own held-out colour-shape pairs (never in pretraining
+  either: a generalisation check)."""
+
+
+def scene_caption_held_out(caption: str) -> bool:
+    """Whether a train-split caption is kept out of the built-in training prompts: the first byte of
+    its SHA-256 is a multiple of 4 (fixed, so any run and any test agree)."""
+    return hashlib.sha256(caption.encode("utf-8")).digest()[0] % 4 == 0
 
 
 def demo_records(limit: int = 32, demo_set: str = "ocr", *, split: str = "train") -> list[PromptRecord]:
     """The built-in prompts (``data.demo_set``): the first lines of the Flow-GRPO OCR test split shipped
-    in this package, or the first ``limit`` captions of a split of the procedural scenes
-    (`boogu_data.scenes`, seed :data:`SCENES_SEED`; the scene as JSON in ``ground_truth``)."""
+    in this package, or the first ``limit`` scenes of one of :data:`SCENE_SPLITS` of the procedural
+    scenes (`boogu_data.scenes`, seed :data:`SCENES_SEED`, layout :data:`SCENES_LAYOUT`; the scene as
+    JSON in ``ground_truth``; ``index`` counts within the split's stream, ``split`` names it)."""
     if demo_set == "scenes":
-        from boogu_data.scenes import generate_scenes
-
-        return [scene.record(split, i) for i, scene in enumerate(generate_scenes(SCENES_SEED, split, limit))]
+        return _scene_records(limit, split)
     if demo_set != "ocr" or split != "train":
         raise ValueError(f"no built-in {demo_set!r} prompts of split {split!r}")
     text = resources.files("boogu_trainer").joinpath("assets/demo_prompts.txt").read_text(encoding="utf-8")
@@ -41,6 +58,22 @@ def demo_records(limit: int = 32, demo_set: str = "ocr", *, split: str = "train"
             )
         )
     return records
+
+
+def _scene_records(limit: int, split: str) -> list[PromptRecord]:
+    from boogu_data.scenes import generate_scenes
+
+    if split not in SCENE_SPLITS:
+        raise ValueError(f"no built-in scenes prompts of split {split!r}: one of {SCENE_SPLITS}")
+    keep = None
+    if split in ("train", "heldout"):  # the train split's stream, divided by caption
+
+        def keep(scene):
+            return scene_caption_held_out(scene.caption()) == (split == "heldout")
+
+    stream = "train" if split == "heldout" else split
+    scenes = generate_scenes(SCENES_SEED, stream, limit, layout=SCENES_LAYOUT, keep=keep)
+    return [scene.record(split, i) for i, scene in enumerate(scenes)]
 
 
 def load_sourced_records(files: Sequence[str]) -> tuple[list[PromptRecord], list[str]]:

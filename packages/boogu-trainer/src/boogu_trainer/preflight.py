@@ -15,7 +15,8 @@ size, ``PROBE_STEPS`` denoising steps with a one-step SDE window inside, one bac
   text-to-image prompts, are reported, not failed);
 * ``on_policy_ratio``: the recomputed log-prob equals the rollout's (max |diff| == 0 on CPU; on CUDA
   within ``CUDA_LOGPROB_RTOL`` relative, since kernels may differ between no-grad and grad forwards);
-* ``reward_spread``: the probe's total reward varies within at least one group;
+* ``reward_spread``: the probe's total reward varies within at least one group, or at least across
+  its prompts (a coarse verifier on the probe's few-step images may rate a whole group alike);
 * ``weight_sync``: a perturbed LoRA, published through ``Trainer.publish_weights``, changes the
   engine's next deterministic rollout, and the restored LoRA gives back the original one.
 
@@ -359,8 +360,19 @@ def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: lis
             numbers,
             "no probe group has two finite rewards (see reward.max_nonfinite_steps)",
         )
+    finite = total[torch.isfinite(total)]
+    if not any(math.isfinite(x) and x > 0 for x in stds) and bool((finite != finite[0]).any()):
+        # The probe's images are PROBE_STEPS-step samples: a verifier with few distinct values (a
+        # pretrained model's partial-credit score) may rate both of a group alike and still tell
+        # prompts apart. A reward that varies at all is not the constant this check is for.
+        detail = (
+            f"the rewards {labels} vary across the probe's prompts but within none of its "
+            f"{len(stds)} groups of {n} (its images have {PROBE_STEPS} denoising steps)"
+        )
+        logger.warning("preflight: %s", detail)
+        return CheckResult("reward_spread", True, numbers, detail)
     if not any(math.isfinite(x) and x > 0 for x in stds):
-        values = sorted({round(float(x), 6) for x in total[torch.isfinite(total)].tolist()})[:4]
+        values = sorted({round(float(x), 6) for x in finite.tolist()})[:4]
         raise PreflightError(
             "reward_spread",
             f"the rewards {labels} do not vary within any of the probe's {len(stds)} groups of {n} "

@@ -189,7 +189,7 @@ def _records(scenes: Sequence[Any], split: str) -> list[PromptRecord]:
 
 
 def _split_records(scenes: Sequence[Any], split: str) -> list[PromptRecord]:
-    """Records of an :func:`evaluation_scenes` split (``unseen`` captions are train-split rows)."""
+    """Records of an :func:`evaluation_scenes` split (``unseen`` scenes are train-split rows)."""
     return _records(scenes, "train" if split == "unseen" else split)
 
 
@@ -442,9 +442,9 @@ def sample_and_score(
 
 
 def evaluation_scenes(config: PretrainConfig) -> dict[str, list[Any]]:
-    """The scenes a build is scored on: ``eval_prompts`` of ``unseen`` (train-split captions after
-    the ``train_scenes`` it trains on: seen colour-shape pairs, new compositions), ``val`` and ``test``
-    (held-out pairs)."""
+    """The scenes a build is scored on: ``eval_prompts`` of ``unseen`` (the train-split scenes after
+    the ``train_scenes`` it trains on: new scenes of seen colour-shape pairs; the split has only 396
+    distinct captions, so theirs recur in training), ``val`` and ``test`` (held-out pairs)."""
     draw = functools.partial(generate_scenes, config.seed, layout=config.scene_layout)
     return {
         "unseen": draw("train", config.train_scenes + config.eval_prompts)[config.train_scenes :],

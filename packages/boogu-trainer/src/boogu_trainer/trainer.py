@@ -263,7 +263,9 @@ class Trainer:
         if not files:
             data = self.config.data
             if key == "data.val_files":  # only the scene set has built-in held-out prompts
-                records = demo_records(self.config.eval.num_prompts, data.demo_set, split="test")
+                records = demo_records(
+                    self.config.eval.num_prompts, data.demo_set, split=data.demo_eval_split
+                )
             else:
                 records = demo_records(data.demo_prompts, data.demo_set)
             return records, [f"built-in {data.demo_set} prompt {r.split} {r.index}" for r in records]

@@ -54,7 +54,7 @@ class DataConfig:
     train_files: tuple[str, ...] = ()
     """Parquet files or folders written by boogu-data; empty means the built-in demo prompts."""
     val_files: tuple[str, ...] = ()
-    """Parquet files or folders for evaluation (empty: no evaluation set, or with demo_set=scenes the scenes' held-out test captions)."""
+    """Parquet files or folders for evaluation (empty: no evaluation set, or with demo_set=scenes the built-in held-out captions, data.demo_eval_split)."""
     prompts_per_step: int = 32
     """B: prompts per training step (each rolled out group_size times)."""
     shuffle: bool = True
@@ -62,7 +62,9 @@ class DataConfig:
     demo_prompts: int = 32
     """How many built-in prompts the demo uses when train_files is empty."""
     demo_set: Literal["ocr", "scenes"] = "ocr"
-    """The built-in prompts: OCR prompts (demo_prompts of the Flow-GRPO test split), or procedural-scene captions (boogu-data scenes: train split for training; the held-out test split for evaluation when val_files is empty)."""
+    """The built-in prompts: OCR prompts (demo_prompts of the Flow-GRPO test split), or procedural-scene captions (boogu-data scenes --layout grid, as the tiny model was pretrained: train-split captions for training; data.demo_eval_split for evaluation when val_files is empty)."""
+    demo_eval_split: Literal["heldout", "val", "test"] = "heldout"
+    """demo_set=scenes: the evaluation prompts when val_files is empty: heldout (train-split captions never used for training, a quarter of them), or the scene set's val or test split (colour-shape pairs the pretraining never saw)."""
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
@@ -766,7 +768,8 @@ def _config_keys() -> frozenset[str]:
 
 
 def demo_config() -> TrainerConfig:
-    """The self-contained CPU demo: tiny random checkpoint, built-in prompts, a cheap reward."""
+    """The fast CPU demo of the tests and the first algorithm benchmark: tiny random checkpoint,
+    built-in OCR prompts, a cheap reward that a random model can move."""
     return TrainerConfig(
         data=DataConfig(prompts_per_step=4, demo_prompts=32),
         model=ModelConfig(device="cpu"),
