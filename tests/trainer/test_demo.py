@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 from boogu_data.scenes import TAGS, TEST_PAIRS, VAL_PAIRS, Scene, generate_scenes, parse_caption
 from boogu_trainer.config import demo_config, load_config
-from boogu_trainer.data import demo_records, scene_caption_held_out
+from boogu_trainer.data import SCENES_LAYOUT, SCENES_SEED, demo_records, scene_caption_held_out
 from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON, heldout_comparison, paired_summary
 from boogu_trainer.metrics import summarize_rewards
 from boogu_trainer.trainer import Trainer
@@ -65,8 +66,12 @@ def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
     for record in train + heldout:
         assert not (Scene.from_json(record.ground_truth).pairs() & (TEST_PAIRS | VAL_PAIRS))
     assert all(Scene.from_json(r.ground_truth).pairs() & TEST_PAIRS for r in test)
-    # The pretraining's scenes (grid layout, seed 0), in stream order, divided by caption.
-    stream = generate_scenes(0, "train", 600, layout="grid")
+    # The committed checkpoint's pretraining scenes, in stream order, divided by caption.
+    report = json.loads(
+        resources.files("boogu_adapters").joinpath("assets/tiny_scenes/pretrain_report.json").read_text()
+    )
+    assert (report["config"]["seed"], report["config"]["scene_layout"]) == (SCENES_SEED, SCENES_LAYOUT)
+    stream = generate_scenes(SCENES_SEED, "train", 600, layout=SCENES_LAYOUT)
     assert [s.to_json() for s in stream if not scene_caption_held_out(s.caption())][:100] == [
         r.ground_truth for r in train[:100]
     ]

@@ -194,7 +194,9 @@ def test_a_constant_reward_is_a_named_stop_before_any_output(tiny_checkpoint, tm
         tiny_checkpoint, tmp_path, "reward.rewards=[{name: 'tests.trainer.test_preflight:constant_reward'}]"
     )
     trainer = Trainer(config)
-    with pytest.raises(PreflightError, match=r"do not vary within any of the probe's 2 groups") as info:
+    with pytest.raises(
+        PreflightError, match=r"do not vary within or across any of the probe's 2 groups"
+    ) as info:
         trainer.train()
     assert info.value.check == "reward_spread" and "constant_reward" in str(info.value)
     assert not (tmp_path / "run").exists()  # stopped before the run folder was written

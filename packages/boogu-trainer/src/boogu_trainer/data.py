@@ -18,9 +18,10 @@ SCENES_SEED = 0
 """The seed of the built-in scene prompts (``boogu-data scenes --seed 0 --layout grid``: what the tiny
 model was pretrained on, so its train split is the pretraining's, and val and test are held out)."""
 SCENES_LAYOUT = "grid"
-"""The layout of the built-in scenes: the pretraining's."""
+"""The layout of the built-in scenes: the pretraining's (both constants are tested against the
+committed checkpoint's ``pretrain_report.json``)."""
 SCENE_SPLITS = ("train", "heldout", "val", "test")
-"""The built-in scene prompts (``data.demo_heldout`` picks the evaluation's):
+"""The built-in scene prompts (``data.demo_eval_split`` picks the evaluation's):
 
 * ``train``: train-split scenes whose caption is not held out: what the demo trains on;
 * ``heldout``: train-split scenes whose caption is held out (:func:`scene_caption_held_out`, about a

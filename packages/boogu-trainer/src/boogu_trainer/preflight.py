@@ -361,21 +361,21 @@ def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: lis
             "no probe group has two finite rewards (see reward.max_nonfinite_steps)",
         )
     finite = total[torch.isfinite(total)]
-    if not any(math.isfinite(x) and x > 0 for x in stds) and bool((finite != finite[0]).any()):
-        # The probe's images are PROBE_STEPS-step samples: a verifier with few distinct values (a
-        # pretrained model's partial-credit score) may rate both of a group alike and still tell
-        # prompts apart. A reward that varies at all is not the constant this check is for.
-        detail = (
-            f"the rewards {labels} vary across the probe's prompts but within none of its "
-            f"{len(stds)} groups of {n} (its images have {PROBE_STEPS} denoising steps)"
-        )
-        logger.warning("preflight: %s", detail)
-        return CheckResult("reward_spread", True, numbers, detail)
     if not any(math.isfinite(x) and x > 0 for x in stds):
+        if bool((finite != finite[0]).any()):
+            # The probe's images are PROBE_STEPS-step samples: a verifier with few distinct values
+            # (a pretrained model's partial-credit score) may rate both of a group alike and still
+            # tell prompts apart. A reward that varies at all is not the constant this check is for.
+            detail = (
+                f"the rewards {labels} vary across the probe's prompts but within none of its "
+                f"{len(stds)} groups of {n} (its images have {PROBE_STEPS} denoising steps)"
+            )
+            logger.warning("preflight: %s", detail)
+            return CheckResult("reward_spread", True, numbers, detail)
         values = sorted({round(float(x), 6) for x in finite.tolist()})[:4]
         raise PreflightError(
             "reward_spread",
-            f"the rewards {labels} do not vary within any of the probe's {len(stds)} groups of {n} "
+            f"the rewards {labels} do not vary within or across any of the probe's {len(stds)} groups of {n} "
             f"(values seen: {values}): every advantage would be 0 and the run would train nothing. "
             "Fix: check the reward (a constant, a saturated threshold, the wrong image range) and "
             "reward.rewards; a reward that is rightly sparse on early samples can skip this with preflight=false",
