@@ -14,8 +14,14 @@ from tests.trainer.test_loop import small_config
 
 
 def args(tiny_checkpoint, run_dir, *extra: str) -> list[str]:
+    """A tiny run of `trainer` without a recipe (on the scene demo's config) on the random checkpoint,
+    the OCR prompts and a reward that model moves."""
     return [
         f"model.path={tiny_checkpoint}",
+        "data.demo_set=ocr",
+        "reward.rewards=[{name: demo_brightness}]",
+        "eval.every=0",
+        "eval.rewards=[]",
         "data.prompts_per_step=2",
         "algorithm.group_size=2",
         "sampler.num_steps=3",

@@ -1,10 +1,13 @@
 """The demos.
 
-* The scenes recipe (``examples/tiny_scenes/scenes_demo.yaml``): the pretrained tiny model trains on
-  the dense verifier and is judged by the exact one on held-out captions; its ending (base vs
-  trained, ``heldout.json`` and the before/after grid) is checked here on the random model, fast.
-* The demo (``trainer`` with no arguments, ``demo_config``): its reward rises by more than
-  twice the standard error over its 30 steps. (That a reward falls when the advantage's sign is
+* The demo (``trainer`` with no arguments, ``scenes_demo_config``, and its recipe copy
+  ``examples/tiny_scenes/scenes_demo.yaml``): the pretrained tiny model trains on the exact scene
+  verifier and is judged by it on held-out captions; its ending (base vs trained, ``heldout.json``
+  and the before/after grid) is checked here on the random model, fast. (Its held-out gain, a
+  7-minute run, is measured in docs/tiny-model.md, not here.) The reward-hacking recipe trains on
+  the dense verifier instead.
+* The tests' fast run (``demo_config``: the random checkpoint, a reward it can move): its reward
+  rises by more than twice the standard error over its 30 steps. (That a reward falls when the advantage's sign is
   flipped, for every algorithm, is checked in ``test_algorithms.py``.)
 """
 
@@ -19,7 +22,7 @@ import pytest
 import torch
 
 from boogu_data.scenes import TAGS, TEST_PAIRS, VAL_PAIRS, Scene, generate_scenes, parse_caption
-from boogu_trainer.config import demo_config, load_config
+from boogu_trainer.config import config_to_dict, demo_config, load_config, scenes_demo_config
 from boogu_trainer.data import SCENES_LAYOUT, SCENES_SEED, demo_records, scene_caption_held_out
 from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON, heldout_comparison, paired_summary
 from boogu_trainer.metrics import summarize_rewards
@@ -36,17 +39,24 @@ def test_paired_summary_is_the_standard_error_of_the_mean_difference():
         paired_summary([1.0], [])
 
 
-SCENES_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_scenes" / "scenes_demo.yaml"
+SCENES = Path(__file__).resolve().parents[2] / "examples" / "tiny_scenes"
 
 
-def test_the_scenes_recipe_trains_on_the_dense_verifier_and_judges_by_the_exact_one():
-    config = load_config(str(SCENES_RECIPE), [])
-    assert config.model.tiny == "scenes" and not config.model.path and config.data.demo_set == "scenes"
-    assert not config.data.train_files and not config.data.val_files  # built-in prompts
-    assert config.data.demo_eval_split == "heldout"
-    assert [r.name for r in config.reward.rewards] == ["scene_dense"]
-    assert [r.name for r in config.eval.rewards] == ["scene_exact"]
-    assert config.eval.every > 0 and config.eval.num_prompts >= 100
+def test_the_demo_recipe_is_the_demo_and_the_hacking_recipe_trains_on_the_proxy():
+    # `trainer` with no arguments and its recipe copy run the same settings (but the run name).
+    demo = config_to_dict(load_config(str(SCENES / "scenes_demo.yaml"), ["logging.name=demo"]))
+    assert demo == config_to_dict(scenes_demo_config())
+    for config in (scenes_demo_config(), load_config(str(SCENES / "reward_hacking.yaml"), [])):
+        assert config.model.tiny == "scenes" and not config.model.path and config.data.demo_set == "scenes"
+        assert not config.data.train_files and not config.data.val_files  # built-in prompts
+        assert config.data.demo_eval_split == "heldout"
+        assert [r.name for r in config.eval.rewards] == ["scene_exact"]
+        assert config.eval.every > 0 and config.total_steps % config.eval.every == 0
+        assert config.eval.num_prompts >= 200
+    # the demo trains on the gold itself; the testbed on the partial-credit proxy
+    assert [r.name for r in scenes_demo_config().reward.rewards] == ["scene_exact"]
+    hacking = load_config(str(SCENES / "reward_hacking.yaml"), [])
+    assert [r.name for r in hacking.reward.rewards] == ["scene_dense"] and hacking.eval.stop_on_divergence > 0
 
 
 def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
@@ -128,6 +138,10 @@ def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoi
     assert base_again == pytest.approx(before.gold)
     with_lora = trainer.evaluator.evaluate(step=1)
     assert not torch.equal(with_lora.images, before.images)
+    # 'trained' reused the run's own evaluation of step 1 (eval.every=1), which is this sampling.
+    assert trainer.last_evaluation is not None and trainer.last_evaluation.step == 1
+    assert torch.equal(trainer.last_evaluation.images, with_lora.images)
+    assert summary["trained"] == pytest.approx(with_lora.gold)
 
 
 @pytest.mark.slow

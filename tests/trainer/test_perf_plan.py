@@ -194,6 +194,7 @@ def test_trainer_plan_command_prints_the_plan_without_training(tiny_checkpoint, 
             "1",
             "--world-size",
             "2",
+            "model.tiny=random",
             f"model.tiny_path={tiny_checkpoint}",
             f"logging.run_dir={run_dir}",
         ]

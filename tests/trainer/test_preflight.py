@@ -13,6 +13,7 @@ from boogu_adapters.lora import lora_state_dict
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.cli import main
 from boogu_trainer.preflight import CHECKS, PreflightError, check_weight_sync, run_preflight
+from boogu_trainer.rewards import build_rewards
 from boogu_trainer.trainer import Trainer
 from tests.trainer.test_loop import small_config
 
@@ -26,6 +27,16 @@ def prompt_only_reward(images, records):
     """A reward that tells prompts apart and rates every image of a prompt alike (a coarse verifier
     on few-step probe images)."""
     return torch.tensor([float(r.index) for r in records])
+
+
+class FailingVerdict:
+    """A pass/fail verifier (``pass_fail``, as scene_exact) that fails every probe image."""
+
+    name = "failing_verdict"
+    pass_fail = True
+
+    def __call__(self, images, records):
+        return torch.zeros(images.shape[0])
 
 
 def lora_of(trainer):
@@ -228,6 +239,38 @@ def test_a_reward_that_varies_only_across_prompts_passes_with_a_note(tiny_checkp
         trainer.close()
     check = next(c for c in report.checks if c.name == "reward_spread")
     assert check.passed and "within none of its 2 groups" in check.detail, check
+
+
+def test_a_pass_fail_reward_failing_every_probe_image_is_noted_not_a_stop(tiny_checkpoint, tmp_path):
+    # A verdict the base earns 26% of the time fails all 4 probe images a third of the time: a sparse
+    # reward, not a broken one. The same zeros from a reward that does not declare itself pass/fail
+    # stop the run (the test above); a pass/fail reward beside a weighted graded one is checked.
+    trainer = Trainer(
+        small_config(
+            tiny_checkpoint,
+            tmp_path,
+            "reward.rewards=[{name: 'tests.trainer.test_preflight:FailingVerdict'}]",
+        )
+    )
+    try:
+        report = run_preflight(trainer)
+        check = next(c for c in report.checks if c.name == "reward_spread")
+        assert report.passed and check.passed is None, check
+        assert (
+            "reward(s) ['tests.trainer.test_preflight:FailingVerdict'] gave all 4 probe images the verdict 0"
+            in (check.detail)
+        )
+        trainer.config = small_config(
+            tiny_checkpoint,
+            tmp_path,
+            "reward.rewards=[{name: 'tests.trainer.test_preflight:FailingVerdict'}, "
+            "{name: 'tests.trainer.test_preflight:constant_reward', weight: 0.5}]",
+        )
+        trainer.rewards = build_rewards(trainer.config.reward.rewards)
+        with pytest.raises(PreflightError, match="do not vary within or across"):
+            run_preflight(trainer)
+    finally:
+        trainer.close()
 
 
 def test_a_run_with_preflight_trains_exactly_like_one_without(tiny_checkpoint, tmp_path):

@@ -192,6 +192,8 @@ def test_registry_builds_and_checks_the_scene_rewards() -> None:
     scene = SCENES[0]
     output = rewards(batch([render(scene)]), records([scene]))
     assert output.per_reward["scene_exact"].tolist() == [1.0] and output.total.tolist() == [1.5]
+    # the exact score is a verdict (the preflight reads a probe of all-equal verdicts accordingly)
+    assert [reward.pass_fail for _, _, reward in rewards.terms] == [True, False]
     with pytest.raises(ValueError, match=r"colour_threshold must be a number in \(0.0, 442.0\), got -1"):
         validate_reward_spec("scene_dense", {"colour_threshold": -1})
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'nan'"):

@@ -188,7 +188,7 @@ def test_refusal_names_the_keys_values_and_what_is_allowed(prompts, mini_batches
 
 
 def test_plan_command_refuses_a_layout_the_trainer_would_refuse(tmp_path, capsys):
-    # the demo's 4 prompts per step cannot be split over 8 ranks
-    code = main(["--plan", "--world-size", "8", f"logging.run_dir={tmp_path / 'runs'}"])
+    # the demo's 8 prompts per step cannot be split over 16 ranks
+    code = main(["--plan", "--world-size", "16", f"logging.run_dir={tmp_path / 'runs'}"])
     err = capsys.readouterr().err
-    assert code == 2 and "config error: data.prompts_per_step=4 over 8 ranks" in err
+    assert code == 2 and "config error: data.prompts_per_step=8 over 16 ranks" in err

@@ -1,8 +1,8 @@
 """``trainer``: FlowGRPO LoRA training for Boogu-Image.
 
-trainer                                   the CPU demo (tiny random checkpoint, built-in prompts)
-trainer examples/tiny_scenes/scenes_demo.yaml   the tiny Boogu pretrained on procedural scenes learns to follow
-                                          their captions (held-out verdict: heldout.json, heldout_grid.png)
+trainer                                   the CPU demo: the tiny Boogu pretrained on procedural scenes
+                                          learns to follow their captions (scenes_demo_config; held-out
+                                          verdict: runs/demo/heldout.json, heldout_grid.png)
 trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
@@ -33,9 +33,9 @@ from boogu_trainer.config import (
     TrainerConfig,
     config_reference_markdown,
     config_to_dict,
-    demo_config,
     describe,
     load_config,
+    scenes_demo_config,
 )
 
 _BUILT_IN = {"ocr": "built-in prompts", "scenes": "built-in scene captions (held-out: data.demo_eval_split)"}
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(config_reference_markdown())
         return 0
     try:
-        config = load_config(recipe, overrides, base=None if recipe else demo_config())
+        config = load_config(recipe, overrides, base=None if recipe else scenes_demo_config())
     except ConfigError as e:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2

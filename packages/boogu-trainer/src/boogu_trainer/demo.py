@@ -61,7 +61,12 @@ def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
         )
     with adapters_disabled(trainer.transformer):
         base = evaluator.evaluate(step=0)
-    trained = evaluator.evaluate(step=trainer.step)
+    # The run's own evaluation of its last step, when it made one, is this very sampling (same
+    # prompts, seeds and weights): reuse it instead of sampling the held-out set again.
+    last = trainer.last_evaluation
+    trained = (
+        last if last is not None and last.step == trainer.step else evaluator.evaluate(step=trainer.step)
+    )
     summary: dict[str, Any] = paired_summary(
         [p["gold"] for p in base.prompts], [p["gold"] for p in trained.prompts]
     )

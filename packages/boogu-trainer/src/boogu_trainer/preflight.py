@@ -373,6 +373,18 @@ def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: lis
             logger.warning("preflight: %s", detail)
             return CheckResult("reward_spread", True, numbers, detail)
         values = sorted({round(float(x), 6) for x in finite.tolist()})[:4]
+        if _pass_fail(trainer.rewards) and set(values) <= {0.0, 1.0}:
+            # A verdict (0 or 1) that the base model earns a fraction of the time gives all of a few
+            # few-step probe images the same verdict often (a pass rate of 0.3 leaves 4 images all
+            # failing one time in four): no evidence of a broken reward. The run's
+            # reward/zero_std_share shows whether the groups ever split.
+            detail = (
+                f"the pass/fail reward(s) {labels} gave all {finite.numel()} probe images the verdict "
+                f"{values[0]:g} (images of {PROBE_STEPS} denoising steps): spread not checked; "
+                "watch reward/zero_std_share"
+            )
+            logger.warning("preflight: %s", detail)
+            return CheckResult("reward_spread", None, numbers, detail)
         raise PreflightError(
             "reward_spread",
             f"the rewards {labels} do not vary within or across any of the probe's {len(stds)} groups of {n} "
@@ -385,6 +397,12 @@ def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: lis
     if flat:
         logger.warning("preflight: the reward(s) %s do not vary within the probe's groups", flat)
     return CheckResult("reward_spread", True, numbers, detail)
+
+
+def _pass_fail(rewards: WeightedRewards) -> bool:
+    """Every reward that enters the total declares its scores to be verdicts in {0, 1}."""
+    scored = [reward for _, weight, reward in rewards.terms if weight != 0]
+    return bool(scored) and all(getattr(reward, "pass_fail", False) is True for reward in scored)
 
 
 def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tuple[CheckResult, CheckResult]:

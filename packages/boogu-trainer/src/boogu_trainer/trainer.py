@@ -197,6 +197,8 @@ class Trainer:
         ``self.step`` (0-based), everything a person reads (logs, collectives, faults) says ``step k``."""
         self.nonfinite_streak = 0
         self.preflight_report: PreflightReport | None = None
+        self.last_evaluation: EvalResult | None = None
+        """The latest evaluation of this process (the held-out comparison reuses that of the last step)."""
         self.gold = GoldTracker(k=config.eval.stop_on_divergence)
 
     # ---- construction --------------------------------------------------------------------------
@@ -373,6 +375,7 @@ class Trainer:
         divergence streak (their state goes into the checkpoint of this step)."""
         result = self.evaluator.evaluate(self.step)
         self.evaluator.write(result, self.run_dir)
+        self.last_evaluation = result
         return result, self.gold.evaluation(self.step, result.gold, ckpt.step_dir_name(self.step))
 
     def _after_evaluation(self, result: EvalResult, verdict: Verdict, saved: Path | None) -> None:

@@ -6,7 +6,8 @@ lowest first (each imports only those above it, never this ``__init__``):
 - `fields`: dataclass and annotation helpers shared by the loader, the resume diff and the reference.
 - `sections`: `ConfigError`, the sections (`DataConfig` ... `PerfConfig`, `RewardSpec`) and
   `TrainerConfig`, each validating its own fields in ``__post_init__`` (`TrainerConfig` also how
-  its sections fit together); `demo_config`; `resolved_model_dtype`.
+  its sections fit together); `scenes_demo_config` (the `trainer` demo), `demo_config` (the
+  tests' fast runs); `resolved_model_dtype`.
 - `checks`: the rules that need more than the config: `check_world_layout` (the world size),
   `check_ignored_settings` (which keys the user gave).
 - `loader`: `load_config` (OmegaConf: defaults or a base, a YAML recipe, overrides, ``${...}``).
@@ -52,6 +53,7 @@ from boogu_trainer.config.sections import (
     VllmConfig,
     demo_config,
     resolved_model_dtype,
+    scenes_demo_config,
 )
 
 __all__ = [
@@ -91,4 +93,5 @@ __all__ = [
     "load_config",
     "resolved_model_dtype",
     "resume_not_bitwise_changes",
+    "scenes_demo_config",
 ]

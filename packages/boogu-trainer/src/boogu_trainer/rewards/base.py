@@ -51,6 +51,10 @@ class RewardFn(Protocol):
     ``images`` is ``(B, 3, H, W)`` uint8 RGB on the CPU, ``records`` the B prompt records the images
     were generated from, and the result a ``(B,)`` float32 CPU tensor. Scores may be NaN/inf for a
     sample that could not be scored; they are reported, never silently replaced.
+
+    A reward may also set ``pass_fail = True`` when its scores are only 0 or 1 (a verifier's
+    verdict, as ``scene_exact``): the preflight then reads a probe on which every image got the same
+    verdict as the sparseness such a reward has on a few few-step images, not as a broken reward.
     """
 
     name: str

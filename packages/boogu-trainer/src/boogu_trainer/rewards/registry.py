@@ -183,6 +183,7 @@ class CallableReward:
     def __init__(self, name: str, fn: Callable[[torch.Tensor, Sequence[PromptRecord]], object]) -> None:
         self.name = name
         self.fn = fn
+        self.pass_fail = getattr(fn, "pass_fail", False) is True  # the user's declaration (RewardFn)
 
     def __call__(self, images: torch.Tensor, records: Sequence[PromptRecord]) -> torch.Tensor:
         batch_size = check_batch(images, records, self.name)

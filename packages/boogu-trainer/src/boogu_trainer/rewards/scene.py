@@ -279,6 +279,7 @@ class SceneReward:
         _check_options({"colour_threshold": colour_threshold, "min_area": min_area, "margin": margin})
         self.name = name
         self.dense = dense
+        self.pass_fail = not dense  # scores are verdicts in {0, 1} (RewardFn)
         self.colour_threshold = float(colour_threshold)
         self.min_area = float(min_area)
         self.margin = float(margin)
