@@ -398,9 +398,22 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="at most this many steps per run")
     parser.add_argument("--target", type=float, default=TARGET, help="the reward target (smoothed)")
     parser.add_argument(
+        "--task",
+        choices=("demo", "scenes"),
+        default="demo",
+        help="demo: demo_target_color on the tiny random checkpoint (this file); scenes: held-out "
+        "scene_exact on the tiny pretrained one (algorithms_scenes.py)",
+    )
+    parser.add_argument(
         "--algorithms",
-        default=",".join(ALGORITHMS),
-        help="comma-separated subset of " + ", ".join(ALGORITHMS),
+        default=None,
+        help="comma-separated subset of the task's learners (demo: " + ", ".join(ALGORITHMS) + ")",
+    )
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="scenes: the folder of finished runs, loaded instead of rerun (default /tmp/algbench_scenes; "
+        "--quick: a temporary folder)",
     )
     parser.add_argument(
         "--set",
@@ -419,21 +432,40 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="CI smoke run: 1 seed, 3 steps per algorithm")
     args = parser.parse_args()
+    learners = ALGORITHMS
+    if args.task == "scenes":
+        import algorithms_scenes
+
+        learners = algorithms_scenes.ALGORITHMS
+        if args.budget_fe == BUDGET_FE:
+            args.budget_fe = algorithms_scenes.BUDGET_FE
     if args.quick:  # the plumbing only: 1 seed, 1 prompt x 8 samples, 3 steps
-        args.seeds, args.max_steps, args.budget_fe = 1, 3, min(args.budget_fe, 576)
+        args.seeds, args.max_steps = 1, 3
+        args.budget_fe = min(args.budget_fe, 576 if args.task == "demo" else 600)
         # one prompt group is one mini-batch (more would be refused: algorithm.mini_batches <= groups)
         args.set = ["*:data.prompts_per_step=1", "*:algorithm.mini_batches=1", *args.set]
-    names = [n.strip() for n in args.algorithms.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALGORITHMS]
+        if args.task == "scenes":  # 4 held-out captions, 2 denoising steps per evaluation
+            args.set = ["*:eval.num_prompts=4", "*:eval.num_steps=2", *args.set]
+    names = [n.strip() for n in (args.algorithms or ",".join(learners)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in learners]
     if unknown:
-        parser.error(f"unknown algorithms {unknown}; choose from {list(ALGORITHMS)}")
+        parser.error(f"unknown algorithms {unknown} for --task {args.task}; choose from {list(learners)}")
     extra: dict[str, list[str]] = {n: [] for n in names}
     for item in args.set:
         who, sep, override = item.partition(":")
-        if not sep or (who != "*" and who not in ALGORITHMS):
-            parser.error(f"--set {item!r}: expected NAME:KEY=VALUE with NAME in {list(ALGORITHMS)} or *")
+        if not sep or (who != "*" and who not in learners):
+            parser.error(f"--set {item!r}: expected NAME:KEY=VALUE with NAME in {list(learners)} or *")
         for n in names if who == "*" else [who]:
             extra.setdefault(n, []).append(override)
+    if args.task == "scenes":
+        if args.quick and args.results is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                args.results = tmp
+                algorithms_scenes.main(args, extra, ratio_interval, mean_std)
+        else:
+            args.results = args.results or "/tmp/algbench_scenes"
+            algorithms_scenes.main(args, extra, ratio_interval, mean_std)
+        return
 
     t0 = time.perf_counter()
     curves: dict[str, list[dict[str, Any]]] = {}
