@@ -317,3 +317,50 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     assert {"time/rollout", "time/train", "time/sync"} <= set(scale["split_s"])
     assert scale["preset"] == "tiny" and scale["images_per_s"] > 0 and scale["nfe_train_per_image"] > 0
     assert set(json.loads((out / "gpu_path.json").read_text())["cases"]) == {"rollout", "train_bf16_lora"}
+
+
+@pytest.mark.slow
+def test_algorithms_scenes_quick_and_resumed(tmp_path, monkeypatch, capsys):
+    out, results = tmp_path / "scenes.json", tmp_path / "results"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    common = ["--task", "scenes", "--quick", "--results", str(results), "--out", str(tmp_path)]
+    run_script("algorithms.py", [*common, "--json", str(out)], monkeypatch)
+    figures = json.loads(out.read_text())
+    assert figures["task"] == "scenes" and figures["seed_list"] == [0]
+    assert set(figures["algorithms"]) == {"flow_grpo", "grpo_guard", "diffusion_nft", "awm"}
+    for name, runs in figures["runs"].items():
+        (run,) = runs
+        marks = [figures["budget_fe"] * (k + 1) / 4 for k in range(4)]
+        # one evaluation at the first step past each quarter of the budget, the same base for all
+        assert [e["cum_fe"] >= m for e, m in zip(run["evaluations"], marks, strict=True)] == [True] * 4
+        assert run["base"] == figures["runs"]["flow_grpo"][0]["base"]
+        assert all(0.0 <= e["gold"] <= 1.0 for e in run["evaluations"]), name
+        assert all(0.0 <= v <= 1.0 for v in run["proxy"]) and len(run["proxy"]) == len(run["reward"])
+        summary = figures["algorithms"][name]
+        assert summary["final_gold"] == [run["evaluations"][-1]["gold"]]
+        assert summary["final_gain"] == [pytest.approx(run["evaluations"][-1]["gold"] - run["base"])]
+    assert (tmp_path / "algorithms_scenes.png").stat().st_size > 0
+    assert {p.name for p in results.iterdir()} >= {"base_s0.json", "awm_s0.json", "flow_grpo_s0.json"}
+    capsys.readouterr()
+    # the same command loads the finished runs; another setting for one of them is refused by name
+    run_script("algorithms.py", [*common, "--algorithms", "awm"], monkeypatch)
+    assert "awm seed 0: loaded from" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"awm_s0\.json was written with other settings"):
+        run_script(
+            "algorithms.py", [*common, "--algorithms", "awm", "--set", "awm:optim.lr=5e-4"], monkeypatch
+        )
+
+
+def test_algorithms_scenes_target_is_the_first_evaluation_with_the_gain(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    scenes = runpy.run_path(str(BENCHMARKS / "algorithms_scenes.py"), run_name="algorithms_scenes")
+    evaluations = [
+        {"cum_fe": 100.0 * k, "cum_time_s": 1.0 * k, "gold": g, "gain": g - 0.25, "se_gain": 0.02}
+        for k, g in enumerate((0.28, 0.30, 0.26, 0.32), start=1)
+    ]
+    run = {"base": 0.25, "evaluations": evaluations, "reward": [0.3] * 4, "fe_per_image": 23.0}
+    s = scenes["summarise"]([run, {**run, "evaluations": [{**e, "gain": 0.0} for e in evaluations]}])
+    assert s["fe_to_target"] == [200.0, None] and s["wall_to_target_s"] == [2.0, None]  # +0.05 at 200
+    assert s["fe_to_gain"]["0.02"] == [100.0, None] and s["fe_to_gain"]["0.06"] == [400.0, None]
+    assert s["fe_to_gain"]["0.08"] == [None, None]
+    assert s["final_gold"] == [0.32, 0.32] and s["final_gain"] == [pytest.approx(0.07), 0.0]

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="free",
         help="free: objects anywhere; grid: on whole 8-unit cells, as the tiny model trains (default %(default)s)",
     )
+    scenes.add_argument(
+        "--edits",
+        action="store_true",
+        help="edit pairs instead (boogu_data.scene_edits): recolour / add / remove / move one shape; the "
+        "reference image is the source scene, images/ the edited scenes",
+    )
     scenes.add_argument("--no-images", action="store_true", help="write the parquet files only")
     scenes.add_argument(
         "--overwrite",
@@ -197,6 +203,7 @@ def _scenes(args: argparse.Namespace) -> int:
             images=not args.no_images,
             overwrite=args.overwrite,
             layout=args.layout,
+            edits=args.edits,
         )
     except DatasetError:
         raise
@@ -207,7 +214,8 @@ def _scenes(args: argparse.Namespace) -> int:
         print(f"boogu-data: note: replaced the earlier output in {report.output_dir}", file=sys.stderr)
     for split, rows in report.rows.items():
         images = f" + {report.output_dir / 'images' / split}/*.png" if report.images else ""
-        print(f"{split}: {rows} scenes -> {report.output_dir / f'{split}.parquet'}{images}")
+        what = "edit pairs" if args.edits else "scenes"
+        print(f"{split}: {rows} {what} -> {report.output_dir / f'{split}.parquet'}{images}")
     return 0
 
 

@@ -101,6 +101,7 @@ __all__ = [
     "generate_scenes",
     "parse_caption",
     "render",
+    "render_objects",
     "render_png",
     "sample_scene",
     "split_of",
@@ -329,10 +330,17 @@ def _box(obj: SceneObject, size: int) -> tuple[int, int, int, int]:
 
 def render(scene: Scene, size: int = DEFAULT_SIZE) -> Image.Image:
     """The scene as a ``size``×``size`` RGB image: hard-edged shapes on :data:`BACKGROUND`."""
+    return render_objects(scene.objects, size)
+
+
+def render_objects(
+    objects: tuple[SceneObject, ...] | list[SceneObject], size: int = DEFAULT_SIZE
+) -> Image.Image:
+    """Any objects (an edited scene's, :mod:`boogu_data.scene_edits`) as :func:`render` draws a scene's."""
     _check_size(size)
     image = Image.new("RGB", (size, size), BACKGROUND)
     draw = ImageDraw.Draw(image)
-    for obj in scene.objects:
+    for obj in objects:
         x0, y0, x1, y1 = _box(obj, size)
         fill = PALETTE[obj.colour]
         if obj.shape == "square":
@@ -346,8 +354,12 @@ def render(scene: Scene, size: int = DEFAULT_SIZE) -> Image.Image:
 
 def render_png(scene: Scene, size: int = DEFAULT_SIZE) -> bytes:
     """:func:`render` as PNG bytes (no metadata: the same scene gives the same bytes)."""
+    return _png(render(scene, size))
+
+
+def _png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
-    render(scene, size).save(buffer, format="PNG")
+    image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -534,13 +546,17 @@ def write_scenes(
     images: bool = True,
     overwrite: bool = False,
     layout: str = "free",
+    edits: bool = False,
 ) -> ScenesReport:
     """Write ``{train,val,test}.parquet`` (and ``images/<split>/<index:05d>.png``) into ``output_dir``.
 
     Each row is a T2I :class:`PromptRecord`: the caption as instruction, the scene's JSON
     (:meth:`Scene.to_json`) as ``ground_truth``, ``data_source`` ``"boogu/scenes"``, the tag as
     ``ability``. The T2I schema has no target-image column (its ``images`` column is an edit
-    row's input), so the rendered targets are PNGs named by split and row index. ``scenes.json``
+    row's input), so the rendered targets are PNGs named by split and row index. With ``edits``
+    the rows are edit pairs instead (:mod:`boogu_data.scene_edits`: the instruction, the rendered
+    source scene as the reference image, :meth:`SceneEdit.to_json` as ``ground_truth``), and the
+    PNGs the edited scenes. ``scenes.json``
     records the arguments, the palette and the held-out pairs. The folder is built aside and put in
     place with one rename (:func:`boogu_data.atomic.commit_folder`).
 
@@ -570,14 +586,26 @@ def write_scenes(
         ) from None
     try:
         for split in SPLITS:
-            writer = RecordWriter(staging / f"{split}.parquet", "t2i")
+            writer = RecordWriter(staging / f"{split}.parquet", "edit" if edits else "t2i")
             folder = staging / "images" / split
             if images:
                 folder.mkdir(parents=True)
-            for index, scene in enumerate(generate_scenes(seed, split, counts[split], layout=layout)):
-                writer.write(scene.record(split, index))
+            if edits:
+                from boogu_data.scene_edits import generate_edits
+
+                rows = [
+                    (edit.record(split, index, size), edit.target())
+                    for index, edit in enumerate(generate_edits(seed, split, counts[split], layout=layout))
+                ]
+            else:
+                rows = [
+                    (scene.record(split, index), scene.objects)
+                    for index, scene in enumerate(generate_scenes(seed, split, counts[split], layout=layout))
+                ]
+            for record, objects in rows:
+                writer.write(record)
                 if images:
-                    (folder / f"{index:05d}.png").write_bytes(render_png(scene, size))
+                    (folder / f"{record.index:05d}.png").write_bytes(_png(render_objects(objects, size)))
             writer.close()
         marker = {
             "command": "boogu-data scenes",
@@ -585,6 +613,7 @@ def write_scenes(
             "seed": seed,
             "size": size,
             "layout": layout,
+            "edits": edits,
             "counts": {split: counts[split] for split in SPLITS},
             "images": images,
             "palette": {name: list(rgb) for name, rgb in PALETTE.items()},

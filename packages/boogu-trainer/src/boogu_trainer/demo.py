@@ -3,8 +3,8 @@
 ``uv run trainer`` (no arguments) post-trains the tiny Boogu pretrained on procedural scenes
 (``boogu-tiny --trained``) on the scene set's train captions, and then answers the question RL is
 for: does the model follow its prompts better? :func:`heldout_comparison` samples every held-out
-prompt (the scene set's test split, whose colour-shape pairs never occur in training) once with the
-LoRA switched off and once with it on, with the same seeds (the evaluation's deterministic ODE
+prompt (``data.demo_eval_split``: by default train-split captions never used as training prompts)
+once with the LoRA switched off and once with it on, with the same seeds (the evaluation's deterministic ODE
 path), scores both with the gold reward (``eval.rewards``: ``scene_exact``) and writes, in the run
 folder:
 

@@ -27,6 +27,10 @@
   ``scene_exact``             GenEval-style: the image shows exactly what its       {0, 1}
                               procedural-scene caption names (boogu_data.scenes)
   ``scene_dense``             the fraction of the caption's clauses that hold       [0, 1]
+  ``scene_edit_exact``        a scene edit done on the reference image's named      {0, 1}
+                              object with every other object kept
+                              (boogu_data.scene_edits)
+  ``scene_edit_dense``        the fraction of the edit's clauses that hold          [0, 1]
   ==========================  ===================================================  =========
 
   ``ocr`` and ``vlm_ocr`` share `TranscriptionReward` (the scoring) and differ only in how they
@@ -38,7 +42,7 @@
 * `ocr_text_score`: the reference's OCR score formula on strings.
 """
 
-# Importing the built-in reward modules (demo, http, jpeg, ocr, scene, vlm) registers their rewards.
+# Importing the built-in reward modules (demo, http, jpeg, ocr, scene, scene_edit, vlm) registers their rewards.
 from boogu_trainer.rewards import clip  # noqa: F401 (registers the CLIP-family rewards; loads transformers lazily)
 from boogu_trainer.rewards.base import (
     OnError,
@@ -67,6 +71,7 @@ from boogu_trainer.rewards.registry import (
     validate_reward_spec,
 )
 from boogu_trainer.rewards.scene import SceneReward, detect_objects, scene_dense, scene_exact
+from boogu_trainer.rewards.scene_edit import SceneEditReward, scene_edit_dense, scene_edit_exact
 from boogu_trainer.rewards.text_score import fold_text, levenshtein, ocr_text_score
 from boogu_trainer.rewards.vlm import VlmOcrReward
 
@@ -81,6 +86,7 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "RewardOutput",
+    "SceneEditReward",
     "SceneReward",
     "SkyReward",
     "TargetColorReward",
@@ -103,6 +109,8 @@ __all__ = [
     "ocr_text_score",
     "register_reward",
     "scene_dense",
+    "scene_edit_dense",
+    "scene_edit_exact",
     "scene_exact",
     "validate_reward_spec",
 ]
