@@ -208,3 +208,47 @@ def test_save_assets_round_trips(quick_builds, tmp_path: Path) -> None:
     assert _weights_digest(installed) == _weights_digest(folder)
     with pytest.raises(FileNotFoundError, match="not a finished boogu-tiny-pretrain output"):
         save_trained_assets(tmp_path / "nothing", tmp_path / "assets2")
+
+
+def test_the_edit_smoke_build_trains_the_refiner_and_keeps_the_rest(quick_builds, tmp_path: Path) -> None:
+    # The Edit fine-tune (boogu-tiny-edit-pretrain) from a T2I build: the reference latents reach the
+    # transformer through the reference-image refiner (whose weights the T2I build never trained),
+    # the VAE and the text side stay the base's byte for byte, and the build is deterministic.
+    from safetensors.torch import load_file
+
+    from boogu_adapters.loading import load_boogu
+    from boogu_trainer.tiny_edit_pretrain import EditPretrainConfig, edit_pretrain
+    from boogu_trainer.tiny_edit_pretrain import main as edit_main
+
+    base, _, _ = quick_builds
+    lines: list[str] = []
+    report = edit_pretrain(tmp_path / "a", EditPretrainConfig.quick(str(base)), log=lines.append)
+    assert any(line.startswith("transformer step 3/3") for line in lines)
+    assert set(report["scores"]) == {"unseen", "val", "test"} and "t2i_base_val" in report
+    assert edit_main(["--quick", "--base", str(base), "--output-dir", str(tmp_path / "b")]) == 0
+    assert _weights_digest(tmp_path / "a") == _weights_digest(tmp_path / "b")
+
+    def tensors(folder: Path) -> dict:
+        return {
+            k: v
+            for p in sorted((folder / "transformer").glob("*.safetensors"))
+            for k, v in load_file(p).items()
+        }
+
+    before, after = tensors(base), tensors(tmp_path / "a")
+    assert before.keys() == after.keys()
+    moved = {k for k in before if not (before[k] == after[k]).all()}
+    assert any(k.startswith("ref_image_refiner.") for k in moved) and any(
+        k.startswith("context_refiner.") for k in moved
+    )
+    for sub in ("vae", "mllm", "processor", "scheduler"):
+        for path in sorted((base / sub).rglob("*")):
+            if path.is_file():
+                assert (
+                    path.read_bytes() == (tmp_path / "a" / sub / path.relative_to(base / sub)).read_bytes()
+                ), path
+    assert load_boogu(tmp_path / "a", transformer="native").transformer is not None
+    assert (
+        edit_main(["--quick", "--base", str(base), "--output-dir", str(tmp_path / "c"), "--set", "nope=1"])
+        == 2
+    )

@@ -325,10 +325,13 @@ def train_transformer(
     config: PretrainConfig,
     log: Callable[[str], None],
     evaluate: Callable[[torch.nn.Module, int], None] | None = None,
+    references: torch.Tensor | None = None,
 ) -> tuple[torch.nn.Module, list[float]]:
     """Flow-matching training of ``model`` on Boogu latents; returns (EMA model, step losses).
 
     ``hidden``/``mask`` hold one row per latent and the empty negative prompt as their last row.
+    ``references`` (an Edit build, `boogu_trainer.tiny_edit_pretrain`): one reference latent per row,
+    given to the transformer's reference-image refiner; a dropped instruction keeps its reference.
     """
     generator = make_generator(config.seed * 1000 + 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.dit_lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -363,7 +366,7 @@ def train_transformer(
             1.0 - sigma,
             hidden[text_rows, :length],
             text_mask[:, :length],
-            None,
+            None if references is None else [[references[r]] for r in rows.tolist()],
             freqs,
             text_mask.sum(1).tolist(),
         )
@@ -424,21 +427,28 @@ def sample_and_score(
     parts: Any, records: Sequence[PromptRecord], config: PretrainConfig, *, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One ODE sample per record with the parts' transformer; (images, exact, dense)."""
-    engine = build_local_engine(parts)
-    batch = engine.generate(
+    images = ode_samples(parts, records, config.eval_steps, config.eval_guidance, config.size, seed=seed)
+    return images, scene_exact()(images, records), scene_dense()(images, records)
+
+
+def ode_samples(
+    parts: Any, records: Sequence[PromptRecord], num_steps: int, guidance: float, size: int, *, seed: int = 0
+) -> torch.Tensor:
+    """One ODE sample per record (uint8 images; an edit row's output takes its reference's size)."""
+    batch = build_local_engine(parts).generate(
         RolloutRequest(
             records=list(records),
             group_size=1,
-            num_steps=config.eval_steps,
-            guidance_scale=config.eval_guidance,
+            num_steps=num_steps,
+            guidance_scale=guidance,
             sampler=Sampler.ODE,
             noise_level=0.0,
-            height=config.size,
-            width=config.size,
+            height=size,
+            width=size,
             seed=seed,
         )
     )
-    return batch.images, scene_exact()(batch.images, records), scene_dense()(batch.images, records)
+    return batch.images
 
 
 def evaluation_scenes(config: PretrainConfig) -> dict[str, list[Any]]:
@@ -591,10 +601,7 @@ def pretrain(
         times["total"] = time.perf_counter() - begin
 
         report = {
-            "config": dataclasses.asdict(config),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "minutes": {k: round(v / 60, 2) for k, v in times.items()},
+            **report_header(config, times),
             "vae": {
                 "parameters": sum(p.numel() for p in vae.parameters()),
                 "val_psnr_db": round(vae_psnr, 3),
@@ -635,6 +642,16 @@ def pretrain(
             raise
     log(f"wrote {output} in {times['total'] / 60:.1f} min")
     return report
+
+
+def report_header(config: Any, times: dict[str, float]) -> dict[str, Any]:
+    """What every build report starts with: the settings, torch and threads, minutes per stage."""
+    return {
+        "config": dataclasses.asdict(config),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "minutes": {k: round(v / 60, 2) for k, v in times.items()},
+    }
 
 
 def _save_transformer(model: torch.nn.Module, folder: Path) -> None:
