@@ -30,8 +30,8 @@ from boogu_data.scenes import (
     render,
     render_png,
     split_of,
-    write_scenes,
 )
+from boogu_data.scene_files import write_scenes
 
 SMALL = {"train": 16, "val": 4, "test": 4}
 

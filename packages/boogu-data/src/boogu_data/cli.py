@@ -30,7 +30,8 @@ from boogu_data.convert import DEFAULT_IMAGE_SIZE, ConversionReport, convert_edi
 from boogu_data.errors import DatasetError
 from boogu_data.read import dataset_files, read_records
 from boogu_data.record import PromptRecord
-from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, LAYOUTS, write_scenes
+from boogu_data.scene_files import write_scenes
+from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, LAYOUTS
 from boogu_data.schema import SCHEMA_VERSION_KEY
 
 __all__ = ["build_parser", "main"]
