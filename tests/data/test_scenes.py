@@ -13,6 +13,7 @@ from PIL import Image
 
 from boogu_data import read_records
 from boogu_data.cli import main
+from boogu_data.scene_files import write_scenes
 from boogu_data.scenes import (
     BACKGROUND,
     COLOURS,
@@ -31,7 +32,6 @@ from boogu_data.scenes import (
     render_png,
     split_of,
 )
-from boogu_data.scene_files import write_scenes
 
 SMALL = {"train": 16, "val": 4, "test": 4}
 

@@ -12,6 +12,9 @@ Layout of ``checkpoints/step_000030/``:
   ``alpha / r`` is multiplied into ``lora_B`` here (`diffusers_lora_state`).
 * ``ema.safetensors``: the EMA of the LoRA weights (when enabled), same keys as ``adapter_model``.
 * ``old_policy.safetensors``: DiffusionNFT's old (sampling) policy, same keys as ``adapter_model``.
+* ``rollout_policy.safetensors`` (``rollout.pipeline=one_step``, a batch in flight): the weights the
+  engine sampled that batch with (one step older than the LoRA), same keys as ``adapter_model``;
+  ``trainer_state.json``'s ``pipeline`` says its step and version (a resume rolls it out again).
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments and hyper-parameters, by parameter name.
 * ``rng.safetensors``: each rank's global RNG states (torch CPU and CUDA, numpy, ``random``).
 * ``trainer_state.json``: step, run id, data position, counters.
@@ -80,6 +83,7 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
 BEST = "best.json"
+ROLLOUT_POLICY = "rollout_policy.safetensors"
 
 
 class CheckpointError(RuntimeError):
@@ -105,6 +109,8 @@ class CheckpointContents:
     rng: dict[str, torch.Tensor] | None = None
     old: dict[str, torch.Tensor] | None = None
     """DiffusionNFT's old policy (file keys), or None."""
+    rollout: dict[str, torch.Tensor] | None = None
+    """The weights a pipelined run's batch in flight was sampled with (file keys), or None."""
 
 
 def contents_of(
@@ -115,7 +121,7 @@ def contents_of(
     The file layout is the v0.2 one, so older checkpoints load: the learner's tensors in their own
     safetensors files, the small components' state in ``trainer_state.json``.
     """
-    learner, own = state["learner"], state["trainer"]
+    learner, own, pending = state["learner"], state["trainer"], state.get("pipeline")
     return CheckpointContents(
         lora=learner["lora"],
         lora_config=learner["lora_config"],
@@ -131,11 +137,13 @@ def contents_of(
             "weights_version": own["weights_version"],
             "gold": state["gold"],
             "totals": state["totals"],
+            **({"pipeline": {"step": pending["step"], "version": pending["version"]}} if pending else {}),
         },
         config_yaml=yaml.safe_dump(config_to_dict(config), sort_keys=False),
         ema=learner["ema"],
         rng=state["rng"],
         old=learner["old"],
+        rollout=pending["lora"] if pending else None,
     )
 
 
@@ -162,6 +170,7 @@ def state_of(contents: CheckpointContents) -> dict[str, Any]:
         "gold": saved.get("gold"),
         "totals": saved.get("totals", {}),
         "rng": contents.rng,
+        "pipeline": {**saved["pipeline"], "lora": contents.rollout} if "pipeline" in saved else None,
     }
 
 
@@ -288,6 +297,8 @@ def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> N
         save_file(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})
     if contents.old is not None:
         save_file(to_peft_keys(contents.old), folder / "old_policy.safetensors", metadata={"format": "pt"})
+    if contents.rollout is not None:
+        save_file(to_peft_keys(contents.rollout), folder / ROLLOUT_POLICY, metadata={"format": "pt"})
     save_file(contents.optimizer_tensors, folder / "optimizer.safetensors")
     (folder / "optimizer.json").write_text(json.dumps(contents.optimizer_meta, indent=2))
     rng = contents.rng or rng_state()
@@ -361,6 +372,7 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
 
     ema_path = folder / "ema.safetensors"
     old_path = folder / "old_policy.safetensors"
+    rollout_path = folder / ROLLOUT_POLICY
     return CheckpointContents(
         lora=from_peft_keys(tensors("adapter_model.safetensors")),
         lora_config=read_json(folder / "adapter_config.json"),
@@ -371,6 +383,7 @@ def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
         ema=from_peft_keys(tensors("ema.safetensors")) if ema_path.exists() else None,
         rng=tensors("rng.safetensors"),
         old=from_peft_keys(tensors("old_policy.safetensors")) if old_path.exists() else None,
+        rollout=from_peft_keys(tensors(ROLLOUT_POLICY)) if rollout_path.exists() else None,
     )
 
 

@@ -47,6 +47,21 @@ class ScoredBatch:
     """Reward statistics, advantage statistics, encoder counters of the step."""
 
 
+@dataclass(frozen=True)
+class SampledBatch:
+    """One step's rollouts on this rank with their rewards, before any collective (`RolloutScorer.sample`)."""
+
+    trajectory: Trajectory
+    records: list[PromptRecord]
+    scores: RewardOutput
+    group_offset: int
+    """The global index of this rank's first group."""
+    step: int
+    """The training step (0-based) whose seeds drew the rollout."""
+    encoded: tuple[int, int, float]
+    """Prompts and negatives the engine encoded for it, and the seconds that took."""
+
+
 class RolloutScorer:
     """Rolls out prompt groups with the engine and scores them with the rewards."""
 
@@ -94,6 +109,11 @@ class RolloutScorer:
 
     def run(self, records: list[PromptRecord], group_offset: int, step: int) -> ScoredBatch:
         """Roll out ``records`` (this rank's groups, the first being global group ``group_offset``)."""
+        return self.finish(self.sample(records, group_offset, step))
+
+    def sample(self, records: list[PromptRecord], group_offset: int, step: int) -> SampledBatch:
+        """The rank-local half of `run`: the engine's rollout and the rewards, no collective (so it may
+        run on another thread while the update runs: ``rollout.pipeline=one_step``)."""
         stats = self.engine.stats
         before = (stats.prompts_encoded, stats.negatives_encoded, stats.seconds.get("encode", 0.0))
         traj = self.engine.generate(self.request(records, group_offset, step))
@@ -103,7 +123,23 @@ class RolloutScorer:
             [r for r in records for _ in range(n)],
             micro_batch_size=self.micro_batch_size,
         )
+        encoded = (
+            stats.prompts_encoded - before[0],
+            stats.negatives_encoded - before[1],
+            stats.seconds.get("encode", 0.0) - before[2],
+        )
+        return SampledBatch(traj, records, scores, group_offset, step, encoded)
 
+    def finish(self, sampled: SampledBatch) -> ScoredBatch:
+        """The collective half of `run`: every rank's rewards gathered, group advantages, the metrics."""
+        traj, records, scores, group_offset, step = (
+            sampled.trajectory,
+            sampled.records,
+            sampled.scores,
+            sampled.group_offset,
+            sampled.step,
+        )
+        n = self.algorithm.group_size
         per_reward = {
             k: self.dist.all_gather_cat(v.float(), f"gather reward {k!r}")
             for k, v in scores.per_reward.items()
@@ -124,8 +160,8 @@ class RolloutScorer:
         lo, hi = group_offset * n, (group_offset + len(records)) * n
         counts = torch.tensor(
             [
-                stats.prompts_encoded - before[0],
-                stats.negatives_encoded - before[1],
+                sampled.encoded[0],
+                sampled.encoded[1],
                 sum(r.ref_image is not None for r in records) * n,
                 len(records),
             ],
@@ -141,7 +177,7 @@ class RolloutScorer:
                 "negative_encodings": int(counts[1]),
                 "edit_samples": int(counts[2]),
                 "samples": int(counts[3]) * n,
-                "time/encode": stats.seconds.get("encode", 0.0) - before[2],
+                "time/encode": sampled.encoded[2],
             }
         )
         if not bool(adv.finite.all()):

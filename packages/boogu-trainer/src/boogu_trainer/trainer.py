@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ from boogu_trainer.models import (
     load_base_parts,
     prepare_policy,
 )
+from boogu_trainer.pipeline import RolloutPipeline
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.scoring import RolloutScorer, ScoredBatch
@@ -188,6 +190,16 @@ class Trainer:
             self.transformer, self.dist, self.device, peak_override=config.perf.peak_tflops
         )
         self.learner.count_as = self.step_metrics.forwards.counting
+        self.pipeline: RolloutPipeline | None = None
+        """``rollout.pipeline=one_step``: the batch in flight and the thread that rolls it out."""
+        if config.rollout.pipeline == "one_step":
+            if not self.engine.needs_lora_state:
+                raise ConfigError(
+                    f"rollout.pipeline=one_step: the {type(self.engine).__name__} samples with the module the "
+                    "update changes; pipelining needs an engine with its own copy of the weights "
+                    "(rollout.engine=vllm_omni)"
+                )
+            self.pipeline = RolloutPipeline(self.rollout, self.data, self.dist, self.device)
         self.metrics: MetricsLogger | None = None
         self._published: tuple[int, dict[str, torch.Tensor] | None] = (0, None)
         """``(version, full LoRA)`` of the last `publish_weights` that gathered it (reused by a
@@ -244,7 +256,9 @@ class Trainer:
         if hasattr(self, "step_metrics"):
             self.step_metrics.close()
         if self.engine is not self.local_engine:
-            self.engine.close()
+            self.engine.close()  # first: a rollout in flight then ends at once
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.close()
 
     def lock_run_folder(self) -> None:
         """Take the run folder's lock on rank 0 (`ckpt.RunFolderLock`); every rank raises
@@ -334,6 +348,8 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One step: roll out and score, update the policy, publish the new weights, check."""
+        if self.pipeline is not None:
+            return self._pipelined_step(self.pipeline)
         done, step, rank, meter = self.step, self.step + 1, self.dist.rank, self.step_metrics
         meter.start()
         fault_point("step_start", step, rank)
@@ -355,6 +371,59 @@ class Trainer:
         metrics = meter.finish(
             batch, update, self._state_metrics(), remote=self.engine is not self.local_engine
         )
+        self._warn_logprob_diff(metrics, step)
+        return StepResult(metrics=metrics, batch=batch)
+
+    def _pipelined_step(self, pipe: RolloutPipeline) -> StepResult:
+        """One ``rollout.pipeline=one_step`` step: train on the batch rolled out during the last step
+        (or now, on the first), and roll out the next one while the update runs (`boogu_trainer.pipeline`)."""
+        done, step, rank, meter = self.step, self.step + 1, self.dist.rank, self.step_metrics
+        meter.start()
+        start = time.perf_counter()
+        fault_point("step_start", step, rank)
+        if pipe.in_flight is None:  # the run's first step (or a resume from a sync checkpoint)
+            if pipe.held is None:
+                pipe.hold(self.engine.weights_version, self._rollout_lora(None))
+            pipe.submit(done)
+        flight = pipe.in_flight
+        assert flight is not None and flight.step == done, (flight, done)
+        waited = time.perf_counter()
+        with meter.phase("rollout_wait"), self.dist.collective(f"rollout, step {step}"):
+            sampled = pipe.wait(flight)
+            waited = time.perf_counter() - waited
+            pipe.check_version(flight, sampled, step)
+            batch = self.rollout.finish(sampled)
+        fault_point("after_rollout", step, rank)
+        if step < self.config.total_steps:
+            pipe.submit(step)  # step k+1's rollout, with the weights the engine holds now
+        else:
+            pipe.in_flight = None
+        update_start = time.perf_counter()
+        with meter.phase("train"), self.dist.collective(f"update, step {step}"):
+            update = self.learner.update(batch, step=done)
+        update_span = (update_start, time.perf_counter())
+        fault_point("after_update", step, rank)
+        if pipe.in_flight is not None:  # the sync must not change the weights under a rollout
+            t0 = time.perf_counter()
+            with meter.phase("rollout_wait"):
+                pipe.wait(pipe.in_flight)
+            waited += time.perf_counter() - t0
+        with meter.phase("sync"), self.dist.collective(f"weight sync, step {step}"):
+            self.publish_weights(version=step)
+        self._check_failures(update)
+        staleness = done - flight.version
+        extra = {
+            **self._state_metrics(),
+            "rollout/weights_version": flight.version,
+            "rollout/staleness": staleness,
+            **pipe.step_times(start, time.perf_counter(), update_span, waited),
+        }
+        metrics = meter.finish(batch, update, extra, remote=True)
+        metrics["time/worker_idle"] = max(0.0, metrics["time/step"] - metrics["time/rollout_busy"])
+        if staleness:  # the ratio against a stale policy: not an on-policy check
+            metrics = {
+                (f"staleness/{k}" if k.startswith("logprob_diff/") else k): v for k, v in metrics.items()
+            }
         self._warn_logprob_diff(metrics, step)
         return StepResult(metrics=metrics, batch=batch)
 
@@ -414,10 +483,16 @@ class Trainer:
         it (the EMA, an engine with its own copy), and then kept for a checkpoint of the same step."""
         needs_full = self.learner.ema is not None or self.engine.needs_lora_state
         full = self.learner.full_lora() if needs_full else None
-        self.engine.sync_weights(version, self._rollout_lora(full), module=self.transformer)
+        self._sync_engine(version, self._rollout_lora(full))
         if full is not None:
             self.learner.update_ema(full)
         self._published = (version, full)
+
+    def _sync_engine(self, version: int, sent: dict[str, torch.Tensor] | None) -> None:
+        """The engine adopts ``sent`` as ``version``; a pipelined run records what it now samples with."""
+        self.engine.sync_weights(version, sent, module=self.transformer)
+        if self.pipeline is not None:
+            self.pipeline.hold(version, sent)
 
     def _rollout_lora(self, full: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         """What an engine with its own copy of the weights rolls out with: the LoRA, or NFT's old
@@ -523,13 +598,22 @@ class Trainer:
                 "weights_version": self.engine.weights_version,
             },
             "learner": self.learner.state_dict(lora=self._full_lora()),
-            "data": self.data.state_dict(),
+            # A batch in flight is regenerated on resume: the data position before its prompts.
+            "data": self.pipeline.in_flight.data_state
+            if self.pipeline is not None and self.pipeline.in_flight is not None
+            else self.data.state_dict(),
+            "pipeline": None if self.pipeline is None else self.pipeline.state(),
             "gold": self.gold.state_dict(),
             "totals": self.step_metrics.state_dict(),
-            "rng": ckpt.rng_states_of_ranks(
-                self.dist.gather_objects(ckpt.rng_state(self.device), "rng gather")
-            ),
+            "rng": ckpt.rng_states_of_ranks(self.dist.gather_objects(self._rng_state(), "rng gather")),
         }
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        """This rank's global RNG states as a checkpoint keeps them: with a batch in flight, those
+        before its rewards were scored (the resume scores it again)."""
+        if self.pipeline is not None and self.pipeline.in_flight is not None:
+            return self.pipeline.in_flight.rng
+        return ckpt.rng_state(self.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put every component back as `state_dict` gave it. The rollout engine is not touched: a resume
@@ -543,6 +627,8 @@ class Trainer:
         self.gold.load_state_dict(state["gold"])
         self.checkpointer.restore_best(self.gold.best)
         self._published = (0, None)
+        if self.pipeline is not None:  # what the engine holds is recorded again before it rolls out
+            self.pipeline.held = None
         if state["rng"] is None:
             return
         mine = ckpt.rng_state_of_rank(state["rng"], self.dist.rank)
@@ -556,6 +642,19 @@ class Trainer:
             )
         else:
             ckpt.set_rng_state(mine, self.device)
+
+    def _roll_out_again(self, pending: dict[str, Any], folder: Path) -> None:
+        """The batch that was in flight when ``folder`` was saved, rolled out again as it was: the
+        engine gets the weights it was sampled with, the same prompts are drawn (the data position
+        is the one before them) with the same seeds."""
+        if int(pending["step"]) != self.step or pending["lora"] is None:
+            raise ckpt.CheckpointError(
+                f"{folder}: its batch in flight is for step {int(pending['step']) + 1} with "
+                f"{'no' if pending['lora'] is None else 'its'} weights, the checkpoint is of step {self.step}"
+            )
+        self._sync_engine(int(pending["version"]), pending["lora"])
+        assert self.pipeline is not None
+        self.pipeline.wait(self.pipeline.submit(self.step))  # done before the next sync
 
     def save(self, step: int | None = None) -> Path:
         with self.dist.collective("checkpoint gather"):
@@ -576,9 +675,12 @@ class Trainer:
         except LoraMismatchError as error:  # raised before anything is loaded
             raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
         self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
+        pending = state.get("pipeline")
+        if self.pipeline is not None and pending is not None:
+            self._roll_out_again(pending, folder)
         # The engine adopts the loaded weights (those of the checkpoint's step, or the base at step 0).
         version = max(int(state["trainer"]["weights_version"]), 1)
-        self.engine.sync_weights(version, self._rollout_lora(None), module=self.transformer)
+        self._sync_engine(version, self._rollout_lora(None))
         self.metrics = self._open_metrics()
         self.metrics.truncate_to(self.step)
         return folder

@@ -291,6 +291,8 @@ class RolloutConfig:
     """Latents per transformer call, VAE decode and reward call (0: the whole batch); with batched CFG a call runs twice as many sample-forwards."""
     logprob_diff_warn: float = 1e-3
     """Warn when the training recomputation of a rollout log-prob differs from the engine's by more than this (max over the window; the local engine's is ~0)."""
+    pipeline: Literal["off", "one_step"] = "off"
+    """'one_step': step k+1's rollout (and its rewards) runs in the worker while step k's update runs, with the weights the worker holds (one step stale); needs an engine with its own copy of the weights (engine=vllm_omni). 'off': rollout, update, sync in turn."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """The vllm-omni engine's worker."""
 
@@ -302,6 +304,13 @@ class RolloutConfig:
             ">= 0 (0 = no split)",
         )
         _check(self.logprob_diff_warn > 0, "rollout.logprob_diff_warn", self.logprob_diff_warn, "> 0")
+        _check(
+            self.pipeline == "off" or self.engine != "local",
+            "rollout.pipeline",
+            self.pipeline,
+            "'off' with rollout.engine=local (the local engine samples with the very module the update "
+            "changes; pipelining needs rollouts on their own copy of the weights: rollout.engine=vllm_omni)",
+        )
 
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft", "awm")
