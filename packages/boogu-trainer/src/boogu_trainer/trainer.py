@@ -652,8 +652,14 @@ class Trainer:
                 f"{folder}: its batch in flight is for step {int(pending['step']) + 1} with "
                 f"{'no' if pending['lora'] is None else 'its'} weights, the checkpoint is of step {self.step}"
             )
-        self._sync_engine(int(pending["version"]), pending["lora"])
         assert self.pipeline is not None
+        version = int(pending["version"])
+        if version == 0 and self.engine.weights_version == 0:
+            # Version 0 is the base model, which a fresh engine holds (a worker refuses a sync that is
+            # not newer than what it holds): the batch is sampled as it was, without a sync.
+            self.pipeline.hold(0, pending["lora"])
+        else:
+            self._sync_engine(version, pending["lora"])
         self.pipeline.wait(self.pipeline.submit(self.step))  # done before the next sync
 
     def save(self, step: int | None = None) -> Path:
