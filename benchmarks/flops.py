@@ -37,6 +37,29 @@ def _layout(text: int, tokens: int) -> TokenLayout:
     return TokenLayout(text_lengths=[text], target_grids=[(side, side)], reference_grids=[[]])
 
 
+def per_image_flops(
+    preset: str = "released",
+    *,
+    image_tokens: int = 4096,
+    text_tokens: int = 128,
+    negative_text_tokens: int | None = None,
+    lora_rank: int = 64,
+    steps: int = 10,
+    window: int = 2,
+    cfg: bool = True,
+    checkpointing: bool = True,
+) -> tuple[float, float]:
+    """FLOPs of one trained image: ``(rollout, training)`` (the defaults: the reference recipe)."""
+    config = RELEASED_CONFIG if preset == "released" else TINY_CONFIG
+    model = FlopModel(config, LoraSpec(rank=lora_rank) if lora_rank else None)
+    pos = _layout(text_tokens, image_tokens)
+    neg = _layout(negative_text_tokens or text_tokens, image_tokens)
+    rollout = steps * (model.forward(pos).total + (model.forward(neg).total if cfg else 0))
+    train_pos = model.training(pos, gradient_checkpointing=checkpointing).total
+    train_neg = model.training(neg, gradient_checkpointing=checkpointing).total if cfg else 0
+    return rollout, window * (train_pos + train_neg)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -62,16 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     lora = LoraSpec(rank=args.lora_rank) if args.lora_rank else None
     model = FlopModel(config, lora)
     pos = _layout(args.text_tokens, args.image_tokens)
-    neg = _layout(args.negative_text_tokens or args.text_tokens, args.image_tokens)
     checkpointing = not args.no_checkpointing
     fwd = model.forward(pos)
     base_fwd = FlopModel(config, None).forward(pos)
     train_pos = model.training(pos, gradient_checkpointing=checkpointing)
-    train_neg = model.training(neg, gradient_checkpointing=checkpointing)
     fused = model.training(pos, gradient_checkpointing=checkpointing, attention_recompute=True)
     cfg = not args.no_cfg
-    rollout = args.steps * (fwd.total + (model.forward(neg).total if cfg else 0))
-    train = args.window * (train_pos.total + (train_neg.total if cfg else 0))
+    rollout, train = per_image_flops(
+        args.preset,
+        image_tokens=args.image_tokens,
+        text_tokens=args.text_tokens,
+        negative_text_tokens=args.negative_text_tokens,
+        lora_rank=args.lora_rank,
+        steps=args.steps,
+        window=args.window,
+        cfg=cfg,
+        checkpointing=checkpointing,
+    )
     per_image = rollout + train
 
     tf = 1e12

@@ -364,3 +364,29 @@ def test_algorithms_scenes_target_is_the_first_evaluation_with_the_gain(monkeypa
     assert s["fe_to_gain"]["0.02"] == [100.0, None] and s["fe_to_gain"]["0.06"] == [400.0, None]
     assert s["fe_to_gain"]["0.08"] == [None, None]
     assert s["final_gold"] == [0.32, 0.32] and s["final_gain"] == [pytest.approx(0.07), 0.0]
+
+
+def test_pipeline_gpu_model_of_the_reference_recipe(monkeypatch):
+    """benchmarks/pipeline.py's GPU model: the reference recipe's FLOPs (flops.py's figures), sync =
+    rollout + training + sync, pipelined = the slower phase + sync, colocated on all the GPUs."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = runpy.run_path(str(BENCHMARKS / "pipeline.py"), run_name="pipeline")
+    args = (
+        module["main"]
+        .__globals__["argparse"]
+        .Namespace(
+            trainer_gpus=4, rollout_gpus=4, train_mfu=0.35, rollout_mfu=0.40, sync_s=1.0, peak_tflops=989.4
+        )
+    )
+    model = module["gpu_model"](args)
+    a = model["assumptions"]
+    assert a["rollout_tflops_per_image"] == pytest.approx(1495.596, abs=1e-3)  # flops.py's table
+    assert a["train_tflops_per_image"] == pytest.approx(951.174, abs=1e-3)
+    r = 512 * 1495.596e12 / (4 * 989.4e12 * 0.40)
+    t = 512 * 951.174e12 / (4 * 989.4e12 * 0.35)
+    assert model["rollout_s"] == pytest.approx(r, rel=1e-6) and model["train_s"] == pytest.approx(t, rel=1e-6)
+    assert model["sync_step_s"] == pytest.approx(r + t + 1.0, rel=1e-6)
+    assert model["pipelined_step_s"] == pytest.approx(max(r, t) + 1.0, rel=1e-6)
+    assert model["speedup_pipelined_over_sync"] == pytest.approx((r + t + 1) / (max(r, t) + 1), rel=1e-6)
+    # The same 8 GPUs colocated keep every GPU busy: no split of 4 + 4 beats it at these MFUs.
+    assert model["colocated_step_s"] < model["pipelined_step_s"] < model["sync_step_s"]

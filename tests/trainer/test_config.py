@@ -402,3 +402,13 @@ def test_flow_grpo_settings_inherited_from_a_base_do_not_count_as_given():
         ConfigError, match=r"^algorithm\.clip_range=0\.001 with algorithm\.name='diffusion_nft'"
     ):
         load_config(None, ["algorithm.name=diffusion_nft", "algorithm.clip_range=1e-3"], base=demo_config())
+
+
+def test_a_bare_off_in_an_override_or_recipe_is_the_word_not_a_boolean(tmp_path):
+    """YAML 1.1 reads ``off`` as False: a choice field that has an ``off`` gets the word back."""
+    assert load_config(None, ["rollout.pipeline=off"]).rollout.pipeline == "off"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("rollout:\n  engine: vllm_omni\n  pipeline: off\n")
+    assert load_config(recipe).rollout.pipeline == "off"
+    with pytest.raises(ConfigError, match=r"rollout.cfg_mode=False: expected 'batched' \| 'sequential'"):
+        load_config(None, ["rollout.cfg_mode=off"])  # no 'off' among its choices: still an error

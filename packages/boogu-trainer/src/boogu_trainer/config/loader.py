@@ -114,6 +114,10 @@ def _set_section(node: DictConfig, cls: type, data: Mapping[Any, Any], prefix: s
 
 def _set_value(node: DictConfig, name: str, tp: Any, value: Any, key: str) -> None:
     shown = value
+    if isinstance(value, bool) and typing.get_origin(tp) is typing.Literal:
+        word = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
+        if word in typing.get_args(tp):
+            value = word
     record = record_type(tp)
     if record is not None:
         if not isinstance(value, list | tuple):
