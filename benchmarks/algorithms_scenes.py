@@ -317,6 +317,26 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     print(f"plot written to {path}")
 
 
+def same_settings(saved: Any, now: Any, base: Any = None) -> bool:
+    """Whether a run file's settings are these. A config key added since the file was written (absent
+    from it) counts as the same when it has the value of the demo's config: the run could not have set
+    it, and that value leaves the run as it was (e.g. ``rollout.pipeline: off``)."""
+    if base is None:
+        base = {"config": config_to_dict(scenes_demo_config())}
+    if isinstance(saved, dict) and isinstance(now, dict):
+        if set(saved) - set(now):
+            return False
+        for key, value in now.items():
+            sub = base.get(key) if isinstance(base, dict) else None
+            if key not in saved:
+                if value != sub:
+                    return False
+            elif not same_settings(saved[key], value, sub):
+                return False
+        return True
+    return saved == now
+
+
 def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, mean_std) -> None:
     """``algorithms.py --task scenes``: ``args`` are algorithms.py's (seeds, first_seed, out, json,
     quick, results), ``extra`` the ``--set`` overrides by learner."""
@@ -337,7 +357,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
             path = results / f"{name}_s{seed}.json"
             if path.is_file():
                 saved = json.loads(path.read_text())
-                if saved["settings"] != json.loads(json.dumps(settings)):
+                if not same_settings(saved["settings"], json.loads(json.dumps(settings))):
                     raise SystemExit(
                         f"{path} was written with other settings (config, budget or evaluations): "
                         "remove it or give another --results folder"

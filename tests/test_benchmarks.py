@@ -390,3 +390,25 @@ def test_pipeline_gpu_model_of_the_reference_recipe(monkeypatch):
     assert model["speedup_pipelined_over_sync"] == pytest.approx((r + t + 1) / (max(r, t) + 1), rel=1e-6)
     # The same 8 GPUs colocated keep every GPU busy: no split of 4 + 4 beats it at these MFUs.
     assert model["colocated_step_s"] < model["pipelined_step_s"] < model["sync_step_s"]
+
+
+def test_algorithms_scenes_run_files_survive_a_config_key_added_later(monkeypatch):
+    """A run file written before a config key existed still loads when the key has the demo config's
+    value (the run behaved that way); any other difference is refused."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    same = runpy.run_path(str(BENCHMARKS / "algorithms_scenes.py"), run_name="algorithms_scenes")[
+        "same_settings"
+    ]
+    from boogu_trainer.config import config_to_dict, scenes_demo_config
+
+    now = {"config": config_to_dict(scenes_demo_config()), "budget_fe": 44160, "quarters": 4}
+    old = json.loads(json.dumps(now))
+    del old["config"]["rollout"]["pipeline"]  # written before rollout.pipeline existed
+    assert same(old, now)
+    later = json.loads(json.dumps(now))
+    later["config"]["rollout"]["pipeline"] = "one_step"
+    assert not same(old, later)  # the new key set to something the old run did not do
+    changed = json.loads(json.dumps(now))
+    changed["config"]["optim"]["lr"] = 1.0
+    assert not same(old, changed) and not same(now, changed)
+    assert not same({**now, "extra": 1}, now)  # a key the file has and the settings lost
