@@ -9,8 +9,10 @@ in flight out again in a fresh worker with the weights the checkpoint kept:
 * 1 rank, FlowGRPO: killed in step 2 after the update (step 3's rollout in the worker); the resume
   from step 1 regenerates step 2's batch, sampled with version 0 (the base: the worker had no LoRA
   loaded, the resumed one gets the zero-B LoRA).
-* 2 ranks, DiffusionNFT with a lagging old policy (the worker holds the old policy): rank 0 killed in
-  step 3; the resume from step 2 regenerates step 3's batch on each rank's worker with version 1.
+* 2 ranks (test_pipeline_resume_two_ranks.py, a module of its own so that run.sh's pytest-xdist
+  workers run the two at once), DiffusionNFT with a lagging old policy (the worker holds the old
+  policy): rank 0 killed in step 3; the resume from step 2 regenerates step 3's batch on each rank's
+  worker with version 1.
 """
 
 from __future__ import annotations
@@ -25,12 +27,10 @@ from safetensors.torch import load_file
 from boogu_trainer.checkpoint import checkpoint_folders
 from tests.trainer.test_distributed_and_resume import (
     GLOBAL_RNG_REWARD,
-    NFT_LAGGING,
     final_lora,
     overrides,
     run,
     same,
-    torchrun,
 )
 
 pytestmark = pytest.mark.vllm
@@ -78,14 +78,3 @@ def test_one_rank_killed_and_resumed_equals_a_straight_pipelined_run(tiny_checkp
     assert [s for s, _ in checkpoint_folders(tmp_path / "killed" / "run" / "checkpoints")] == [1]
     run([*killed, "resume=auto"], timeout=600)
     assert_same_run(tmp_path / "straight", tmp_path / "killed", on_policy_check=True)
-
-
-def test_two_ranks_killed_and_resumed_equal_a_straight_pipelined_run(tiny_checkpoint, tmp_path):
-    nft = [*PIPELINED, *NFT_LAGGING]
-    run(torchrun(*overrides(tiny_checkpoint, tmp_path / "straight", *nft)), timeout=600)
-    killed = torchrun(*overrides(tiny_checkpoint, tmp_path / "killed", *nft))
-    # Rank 0 dies in step 3 after its update; torchrun then stops rank 1, each worker its trainer.
-    run(killed, timeout=600, fault="kill:after_update:3@0", expect=1)
-    assert [s for s, _ in checkpoint_folders(tmp_path / "killed" / "run" / "checkpoints")] == [1, 2]
-    run([*killed, "resume=auto"], timeout=600)
-    assert_same_run(tmp_path / "straight", tmp_path / "killed", on_policy_check=False)
