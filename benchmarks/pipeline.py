@@ -50,7 +50,12 @@ from boogu_trainer.trainer import Trainer
 MODES = ("off", "one_step")
 
 
-def run_config(mode: str, seed: int, steps: int, run_dir: str):
+# --quick (the CI smoke): the same runs on a batch of 2 prompts x 4 images and 4 denoising steps, so
+# that the two worker launches, not the rollouts, are most of its time.
+QUICK = ["data.prompts_per_step=2", "algorithm.group_size=4", "sampler.num_steps=4"]
+
+
+def run_config(mode: str, seed: int, steps: int, run_dir: str, quick: bool = False):
     """The demo's config with the worker engine and the given pipeline mode."""
     overrides = [
         "rollout.engine=vllm_omni",
@@ -67,12 +72,13 @@ def run_config(mode: str, seed: int, steps: int, run_dir: str):
         "logging.plot_every=0",
         f"logging.run_dir={run_dir}",
         f"logging.name={mode}_s{seed}",
+        *(QUICK if quick else []),
     ]
     return load_config(None, overrides, base=scenes_demo_config())
 
 
-def measure(mode: str, seed: int, steps: int, run_dir: str) -> dict[str, Any]:
-    trainer = Trainer(run_config(mode, seed, steps, run_dir))
+def measure(mode: str, seed: int, steps: int, run_dir: str, quick: bool = False) -> dict[str, Any]:
+    trainer = Trainer(run_config(mode, seed, steps, run_dir, quick))
     t0 = time.perf_counter()
     try:
         history = trainer.train()
@@ -155,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-s", type=float, default=1.0, help="stated: seconds per weight sync")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="per GPU (H200 dense bf16)")
     parser.add_argument("--json", help="write the figures to this JSON file")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 seed")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 3 steps, 1 seed, 2 x 4 images, 4 denoising steps"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 3, 1
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for mode in MODES:
-                run = measure(mode, seed, args.steps, tmp)
+                run = measure(mode, seed, args.steps, tmp, args.quick)
                 runs.append(run)
                 print(
                     f"seed {seed} pipeline={mode:8s}: {run['step_s']:.2f} s/step, {run['images_per_s']:.2f} images/s, "
