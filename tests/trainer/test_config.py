@@ -382,6 +382,12 @@ def test_cli_print_config_and_errors(capsys):
             ["data.val_files=[v.parquet]", "checkpoint.keep_best=true"],
             "checkpoint.keep_best=True with eval.every=0",
         ),
+        (["data.demo_eval_split=val"], "data.demo_eval_split='val': it picks the built-in scene captions"),
+        (
+            ["data.demo_set=scenes", "data.val_files=[v.parquet]", "data.demo_eval_split=test"],
+            "data.demo_eval_split='test': it picks the built-in scene captions an evaluation scores when "
+            "data.demo_set='scenes' and data.val_files is empty, but data.val_files=['v.parquet'] is",
+        ),
         (["optim.lr=1e39"], "optim.lr=1e+39"),
         (["optim.lr=2"], "optim.lr=2.0"),
     ],
@@ -402,6 +408,14 @@ def test_flow_grpo_settings_inherited_from_a_base_do_not_count_as_given():
         ConfigError, match=r"^algorithm\.clip_range=0\.001 with algorithm\.name='diffusion_nft'"
     ):
         load_config(None, ["algorithm.name=diffusion_nft", "algorithm.clip_range=1e-3"], base=demo_config())
+
+
+def test_demo_eval_split_is_taken_where_the_built_in_scene_captions_are_the_evaluation_set():
+    # The scene demo's base has demo_set=scenes and no val_files: the split is read, not refused.
+    base = scenes_demo_config()
+    assert load_config(None, ["data.demo_eval_split=test"], base=base).data.demo_eval_split == "test"
+    with pytest.raises(ConfigError, match=r"data\.demo_set='ocr' has no built-in evaluation captions"):
+        load_config(None, ["data.demo_eval_split=test"], base=demo_config())  # the OCR prompts
 
 
 def test_a_bare_off_in_an_override_or_recipe_is_the_word_not_a_boolean(tmp_path):

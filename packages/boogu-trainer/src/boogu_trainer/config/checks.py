@@ -1,8 +1,9 @@
 """Rules that need more than the config itself, so `TrainerConfig` cannot check them when it is built.
 
 - `check_world_layout`: the batch layout on ``world_size`` ranks (the world size is known at launch).
-- `check_ignored_settings`: a setting the recipe or the overrides give that the chosen algorithm
-  would ignore (only the loader knows which keys the user gave; a base's inherited value passes).
+- `check_ignored_settings`: a setting the recipe or the overrides give that the chosen algorithm, or
+  the chosen evaluation set, would ignore (only the loader knows which keys the user gave; a base's
+  inherited value passes).
 
 Each section's own rules are in its ``__post_init__``, and the rules between sections in
 `TrainerConfig.__post_init__` (:mod:`boogu_trainer.config.sections`).
@@ -53,8 +54,21 @@ FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = ("algorithm.clip_range", "algorithm.kl_ki
 
 def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
     """Refuse a setting the recipe or the overrides give (``given``: dotted keys) that the chosen
-    algorithm would ignore without a word. A value inherited from the defaults or a ``base`` config
+    algorithm (flow_grpo's loss keys) or evaluation set (``data.demo_eval_split``) would ignore
+    without a word. A value inherited from the defaults or a ``base`` config
     (the demo's clip_range) is not the user's choice and passes."""
+    data = config.data
+    if "data.demo_eval_split" in given and (data.demo_set != "scenes" or data.val_files):
+        why = (
+            f"data.val_files={list(data.val_files)!r} is the evaluation set"
+            if data.val_files
+            else f"data.demo_set={data.demo_set!r} has no built-in evaluation captions"
+        )
+        raise ConfigError(
+            f"data.demo_eval_split={data.demo_eval_split!r}: it picks the built-in scene captions an "
+            f"evaluation scores when data.demo_set='scenes' and data.val_files is empty, but {why}; "
+            "remove data.demo_eval_split from the recipe and overrides"
+        )
     name = config.algorithm.name
     if name == "flow_grpo":
         return
