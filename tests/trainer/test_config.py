@@ -410,6 +410,34 @@ def test_flow_grpo_settings_inherited_from_a_base_do_not_count_as_given():
         load_config(None, ["algorithm.name=diffusion_nft", "algorithm.clip_range=1e-3"], base=demo_config())
 
 
+@pytest.mark.parametrize(
+    ("make_base", "name"),
+    [
+        (demo_config, "flow_grpo"),
+        (demo_config, "diffusion_nft"),
+        (demo_config, "awm"),
+        (scenes_demo_config, "diffusion_nft"),
+        (scenes_demo_config, "awm"),
+    ],
+)
+def test_a_runs_saved_config_loads_back_as_it_was(tmp_path, name, make_base):
+    """A run writes every key to its config.yaml (the algorithm's unused ones and the evaluation
+    split included); `boogu-sample` reads it back with ``saved=True``: none of them counts as the
+    user's choice, while an override still does."""
+    config = load_config(None, [f"algorithm.name={name}"], base=make_base())
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    # Read as a user's recipe, the written clip_range (not flow_grpo) or demo_eval_split (the OCR
+    # prompts) is refused.
+    with pytest.raises(ConfigError, match=r"remove (algorithm\.clip_range|data\.demo_eval_split) from"):
+        load_config(path)
+    assert load_config(path, saved=True) == config
+    assert load_config(path, ["model.device=cuda"], saved=True).model.device == "cuda"
+    if name != "flow_grpo":
+        with pytest.raises(ConfigError, match=r"^algorithm\.clip_range=0\.5 with"):
+            load_config(path, ["algorithm.clip_range=0.5"], saved=True)
+
+
 def test_demo_eval_split_is_taken_where_the_built_in_scene_captions_are_the_evaluation_set():
     # The scene demo's base has demo_set=scenes and no val_files: the split is read, not refused.
     base = scenes_demo_config()

@@ -133,7 +133,7 @@ def run_config(folder: Path, device: str | None = None):
     from boogu_trainer.config import ConfigError, load_config
 
     try:
-        return load_config(folder / "config.yaml", [f"model.device={device}"] if device else [])
+        return load_config(folder / "config.yaml", [f"model.device={device}"] if device else [], saved=True)
     except ConfigError as error:
         raise SampleError(f"{folder / 'config.yaml'}: {error}") from None
 

@@ -32,15 +32,24 @@ from boogu_trainer.config.sections import ConfigError, TrainerConfig
 
 
 def load_config(
-    recipe: str | Path | None = None, overrides: list[str] | None = None, base: TrainerConfig | None = None
+    recipe: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: TrainerConfig | None = None,
+    *,
+    saved: bool = False,
 ) -> TrainerConfig:
     """Defaults (or ``base``), then the YAML recipe, then ``a.b=c`` overrides; ``${...}`` resolved,
-    then validated as a whole. Raises `ConfigError` naming the dotted key."""
+    then validated as a whole. Raises `ConfigError` naming the dotted key.
+
+    ``saved``: the recipe is a run's own ``config.yaml`` (every key written, the algorithm's unused
+    ones included), so none of its keys counts as the user's choice for `check_ignored_settings`;
+    the overrides still do."""
     node = _writable(OmegaConf.structured(TrainerConfig if base is None else base))
     given: set[str] = set()  # the dotted keys the recipe and the overrides set
     if recipe is not None:
         data = _read_recipe(recipe)
-        given |= set(leaves(data))
+        if not saved:
+            given |= set(leaves(data))
         _set_section(node, TrainerConfig, data, "")
     for text in overrides or []:
         data = _parse_override(text)
