@@ -16,6 +16,7 @@ from boogu_trainer.config import (
     config_changes,
     config_reference_markdown,
     config_to_dict,
+    config_to_yaml,
     demo_config,
     describe,
     load_config,
@@ -426,7 +427,7 @@ def test_a_runs_saved_config_loads_back_as_it_was(tmp_path, name, make_base):
     user's choice, while an override still does."""
     config = load_config(None, [f"algorithm.name={name}"], base=make_base())
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    path.write_text(config_to_yaml(config))  # as a run writes it
     # Read as a user's recipe, the written clip_range (not flow_grpo) or demo_eval_split (the OCR
     # prompts) is refused.
     with pytest.raises(ConfigError, match=r"remove (algorithm\.clip_range|data\.demo_eval_split) from"):

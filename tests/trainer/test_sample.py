@@ -403,9 +403,9 @@ def test_reference_image_the_edit_rules_refuse(checkpoint, tmp_path, capsys):
 def test_the_config_of_a_demo_run_loads_back(tmp_path):
     """The demo trains diffusion_nft, whose config.yaml (every key written) holds flow_grpo's
     clip_range: `run_config` reads it as the run's own config, not as a recipe that sets it."""
-    from boogu_trainer.config import config_to_dict, scenes_demo_config
+    from boogu_trainer.config import config_to_yaml, scenes_demo_config
 
     config = scenes_demo_config()
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    (tmp_path / "config.yaml").write_text(config_to_yaml(config))  # as a run writes it
     assert sample_cli.run_config(tmp_path) == config
     assert sample_cli.run_config(tmp_path, device="cuda").model.device == "cuda"

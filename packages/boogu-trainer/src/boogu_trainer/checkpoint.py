@@ -73,7 +73,13 @@ from boogu_data.atomic import (
     remove_stale,
     stage_folder,
 )
-from boogu_trainer.config import TrainerConfig, config_changes, config_to_dict, resume_not_bitwise_changes
+from boogu_trainer.config import (
+    TrainerConfig,
+    config_changes,
+    config_to_dict,
+    config_to_yaml,
+    resume_not_bitwise_changes,
+)
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.faults import fault_point
 
@@ -139,7 +145,7 @@ def contents_of(
             "totals": state["totals"],
             **({"pipeline": {"step": pending["step"], "version": pending["version"]}} if pending else {}),
         },
-        config_yaml=yaml.safe_dump(config_to_dict(config), sort_keys=False),
+        config_yaml=config_to_yaml(config),
         ema=learner["ema"],
         rng=state["rng"],
         old=learner["old"],

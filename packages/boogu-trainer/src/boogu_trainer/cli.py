@@ -25,14 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from boogu_trainer import __version__
 from boogu_trainer.config import (
     ConfigError,
     TrainerConfig,
     config_reference_markdown,
-    config_to_dict,
+    config_to_yaml,
     describe,
     load_config,
     scenes_demo_config,
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2
     if ns.print_config:
-        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        print(config_to_yaml(config), end="")
         return 0
     if not ns.plan and (ns.gpu_memory is not None or ns.world_size is not None or ns.references is not None):
         print("trainer: --gpu-memory, --world-size and --references only apply with --plan", file=sys.stderr)

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.engines import RolloutEngine
@@ -40,7 +39,13 @@ from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
-from boogu_trainer.config import ConfigError, TrainerConfig, check_world_layout, config_to_dict
+from boogu_trainer.config import (
+    ConfigError,
+    TrainerConfig,
+    check_world_layout,
+    config_to_dict,
+    config_to_yaml,
+)
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
 from boogu_trainer.distributed import DistEnv, shard_transformer
 from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker, Verdict
@@ -318,9 +323,7 @@ class Trainer:
             self.metrics.truncate_to(0)
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(
-                self.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-            )
+            atomic_write_text(self.run_dir / "config.yaml", config_to_yaml(cfg))
         try:
             while self.step < cfg.total_steps:
                 result = self.train_step()

@@ -11,7 +11,7 @@ lowest first (each imports only those above it, never this ``__init__``):
 - `checks`: the rules that need more than the config: `check_world_layout` (the world size),
   `check_ignored_settings` (which keys the user gave).
 - `loader`: `load_config` (OmegaConf: defaults or a base, a YAML recipe, overrides, ``${...}``).
-- `resume`: `config_to_dict` and the resume diff (`config_changes`, `RESUME_FREE_KEYS`,
+- `resume`: `config_to_dict`, `config_to_yaml` and the resume diff (`config_changes`, `RESUME_FREE_KEYS`,
   `RESUME_NOT_BITWISE_KEYS`, `resume_not_bitwise_changes`).
 - `reference`: the generated key reference (`describe`, `config_reference_markdown`), the README's.
 """
@@ -26,6 +26,7 @@ from boogu_trainer.config.resume import (
     RESUME_NOT_BITWISE_KEYS,
     config_changes,
     config_to_dict,
+    config_to_yaml,
     resume_not_bitwise_changes,
 )
 from boogu_trainer.config.sections import (
@@ -87,6 +88,7 @@ __all__ = [
     "config_changes",
     "config_reference_markdown",
     "config_to_dict",
+    "config_to_yaml",
     "demo_config",
     "describe",
     "field_docs",

@@ -49,6 +49,14 @@ def config_to_dict(config: TrainerConfig) -> dict[str, Any]:
     return plain(config)
 
 
+def config_to_yaml(config: TrainerConfig) -> str:
+    """The text of a run's ``config.yaml`` (and ``trainer --print-config``): every key, in the
+    sections' order. Read it back with ``load_config(path, saved=True)``."""
+    import yaml
+
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
 def config_changes(
     old: Mapping[str, Any], new: Mapping[str, Any], allowed: Iterable[str] = ()
 ) -> list[tuple[str, Any, Any]]:
