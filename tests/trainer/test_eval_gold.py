@@ -248,3 +248,35 @@ def test_a_forced_divergence_warns_or_stops_with_a_checkpoint(tiny_checkpoint, t
         assert state["streak"] == 2 and [e["gold"] for e in state["evals"]] == pytest.approx([0.9, 0.8, 0.7])
         cfg2 = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
         assert cfg2["eval"]["divergence_action"] == "stop"
+
+
+def test_the_evaluation_samples_at_its_own_guidance_scale(tiny_checkpoint, tmp_path):
+    """CFG-free rollouts (sampler.guidance_scale=1) judged at the usual CFG (eval.guidance_scale):
+    every rollout request has no CFG, every evaluation request the evaluation's, and the images
+    equal a CFG-2 run's evaluation of the same weights."""
+    cfg = _config(tiny_checkpoint, tmp_path, "sampler.guidance_scale=1.0", "eval.guidance_scale=2.0")
+    trainer = Trainer(cfg)
+    seen = []
+    generate = trainer.engine.generate
+
+    def spy(request):
+        seen.append((request.decode, request.guidance_scale, request.num_steps))
+        return generate(request)
+
+    trainer.engine.generate = spy
+    try:
+        assert trainer.evaluator.guidance_scale == 2.0
+        own = trainer.evaluator.evaluate(step=0)
+        trainer.train_step()
+    finally:
+        trainer.close()
+    assert seen[0] == (True, 2.0, 2)  # the evaluation: eval.num_steps, eval.guidance_scale
+    assert all(g == 1.0 for _, g, steps in seen[1:] if steps == 4)  # the rollouts: sampler's
+    assert any(steps == 4 for _, _, steps in seen[1:])
+    (tmp_path / "plain").mkdir()
+    plain = Trainer(_config(tiny_checkpoint, tmp_path / "plain", "sampler.guidance_scale=2.0"))
+    try:
+        reference = plain.evaluator.evaluate(step=0)
+    finally:
+        plain.close()
+    assert torch.equal(own.images, reference.images)

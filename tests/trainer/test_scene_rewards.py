@@ -1,5 +1,6 @@
-"""The procedural-scene verifier (`scene_exact`, `scene_dense`): it accepts true renders, rejects
-renders with one attribute changed, grades partial ones, and builds and runs like every reward."""
+"""The procedural-scene verifier (`scene_exact`, `scene_dense`, `scene_graded`): it accepts true
+renders, rejects renders with one attribute changed, grades partial ones (`scene_graded` as GenEval's
+reward server does), and builds and runs like every reward."""
 
 from __future__ import annotations
 
@@ -7,16 +8,28 @@ import dataclasses
 import math
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
 from PIL import ImageFilter
 
 from boogu_data import PromptRecord
 from boogu_data.cli import main as boogu_data
-from boogu_data.scenes import COLOURS, SHAPES, Scene, SceneObject, generate_scenes, render
+from boogu_data.scenes import (
+    COLOURS,
+    SHAPES,
+    Scene,
+    SceneObject,
+    generate_scenes,
+    parse_caption,
+    render,
+    render_objects,
+)
 from boogu_trainer.data import load_sourced_records
 from boogu_trainer.rewards import (
     RewardError,
@@ -26,8 +39,9 @@ from boogu_trainer.rewards import (
     detect_objects,
     validate_reward_spec,
 )
+from boogu_trainer.rewards.scene import DetectedObject, graded_terms, scene_clauses
 
-EXACT, DENSE = build_reward("scene_exact"), build_reward("scene_dense")
+EXACT, DENSE, GRADED = build_reward("scene_exact"), build_reward("scene_dense"), build_reward("scene_graded")
 # 600 scenes of every task, half of them with the held-out (test) pairs.
 SCENES = generate_scenes(7, "train", 300) + generate_scenes(7, "test", 300)
 
@@ -56,6 +70,10 @@ def test_true_renders_score_one(size: int) -> None:
     assert exact.mean().item() >= 0.98, f"accuracy on true renders at {size}²: {exact.mean().item():.4f}"
     dense = DENSE(images[:100], records(SCENES[:100]))
     assert torch.equal(dense == 1.0, exact[:100] == 1.0), "dense is 1 exactly when exact is"
+    graded = GRADED(images[:100], records(SCENES[:100]))
+    assert torch.equal(graded == 1.0, exact[:100] == 1.0), (
+        "graded is 1 exactly when exact is, on true renders"
+    )
 
 
 def test_blurred_noisy_renders_mostly_score_one() -> None:
@@ -141,6 +159,21 @@ def test_one_changed_attribute_scores_zero(size: int, count: int) -> None:
     assert ((dense[partial][wrong] > 0) & (dense[partial][wrong] < 1)).all()
     blank = [i for i, (kind, scene, _) in enumerate(cases) if kind == "removed" and len(scene.objects) == 1]
     assert blank and (dense[blank] == 0).all()
+    # Graded: an added object of a shape the caption does not name is not read (the image keeps the
+    # exact image's 1); every other change costs credit. One change never draws a named shape more
+    # than twice as often as asked, so the score stays in [0, 1] and at or above the exact one.
+    graded = GRADED(images, recs)
+    assert ((graded >= 0) & (graded <= 1) & (graded >= exact)).all()
+    unnamed = [
+        i
+        for i, (kind, scene, bad) in enumerate(cases)
+        if kind == "added" and bad.objects[-1].shape not in {o.shape for o in scene.objects}
+    ]
+    assert unnamed and (graded[unnamed] == 1).float().mean().item() >= 0.98
+    for kind in kinds:
+        rows = [i for i, case in enumerate(cases) if case[0] == kind and i not in unnamed]
+        lowered = (graded[rows] < 1).float().mean().item()
+        assert lowered >= 0.98, f"{kind}: only {lowered:.4f} of {len(rows)} perturbed renders score below 1"
 
 
 def test_dense_counts_clauses() -> None:
@@ -156,6 +189,165 @@ def test_dense_counts_clauses() -> None:
     # Wrong colour on a single object: the shape and the object count hold, the colour and the pair do not.
     single = Scene("single_object", (red_circle,))
     assert DENSE(batch([render(single)]), [PromptRecord("a blue circle")]).tolist() == [0.5]
+
+
+def _object(colour: str, shape: str, x: float = 0.5, y: float = 0.5) -> DetectedObject:
+    return DetectedObject(colour, shape, (x, y), 0.02)
+
+
+def _graded(caption: str, objects: list[DetectedObject]) -> float:
+    terms = graded_terms(parse_caption(caption), objects)
+    return sum(terms) / len(terms)
+
+
+def _dense(caption: str, objects: list[DetectedObject]) -> float:
+    clauses = scene_clauses(parse_caption(caption), objects)
+    return sum(clauses) / len(clauses)
+
+
+# Expected values from the reference's rules (yifan123/reward-server, reward_server/gen_eval.py,
+# evaluate_reward), worked by hand: per named shape with k asked and n found, the count term
+# 1 - |k - n| / k, then 0 if n != k, else the colour term m / k; for a relation, once the subject's
+# shape is met, 0 without a target, 1 when it holds, and 0 then 1 when it does not. The mean.
+RED_CIRCLE, BLUE_SQUARE = _object("red", "circle", 0.25), _object("blue", "square", 0.75)
+GRADED_CASES = [
+    # single_object (GenEval's colors)
+    ("a red circle", [RED_CIRCLE], 1.0),
+    ("a red circle", [_object("blue", "circle")], (1 + 0) / 2),  # right shape, wrong colour
+    ("a red circle", [_object("red", "square")], (1 - 1 / 1 + 0) / 2),  # right colour, wrong shape
+    ("a red circle", [], (1 - 1 / 1 + 0) / 2),
+    # extra objects of shapes the caption does not name are not read
+    ("a red circle", [RED_CIRCLE, _object("green", "square"), _object("red", "triangle")], 1.0),
+    ("a red circle", [RED_CIRCLE, _object("blue", "circle")], (1 - 1 / 1 + 0) / 2),  # a second circle
+    ("a red circle", [RED_CIRCLE] * 3, (1 - 2 / 1 + 0) / 2),  # three circles: below 0
+    ("a red circle", [RED_CIRCLE] * 40, (1 - 15 / 1 + 0) / 2),  # at most 16 counted: the floor, -7
+    # counting (with a colour)
+    ("three green triangles", [_object("green", "triangle")] * 3, 1.0),
+    ("three green triangles", [_object("green", "triangle")] * 2, (1 - 1 / 3 + 0) / 2),  # one short
+    ("three green triangles", [_object("green", "triangle")] * 4, (1 - 1 / 3 + 0) / 2),  # one over
+    (
+        "three green triangles",
+        [_object("green", "triangle")] * 2 + [_object("red", "triangle")],
+        (1 + 2 / 3) / 2,
+    ),
+    ("three green triangles", [_object("green", "triangle")] * 7, (1 - 4 / 3 + 0) / 2),
+    # two_object (GenEval's color_attr)
+    ("a red circle and a blue square", [RED_CIRCLE, BLUE_SQUARE], 1.0),
+    ("a red circle and a blue square", [RED_CIRCLE, _object("red", "square")], (1 + 1 + 1 + 0) / 4),
+    ("a red circle and a blue square", [RED_CIRCLE], (1 + 1 + 0 + 0) / 4),  # one missing
+    ("a red circle and a blue square", [RED_CIRCLE, BLUE_SQUARE, BLUE_SQUARE], (1 + 1 + 0 + 0) / 4),
+    (
+        "a red circle and a blue square",
+        [_object("blue", "circle"), _object("red", "square")],
+        (1 + 0 + 1 + 0) / 4,
+    ),
+    # one shape named twice: one requirement, k = 2, colours matched as a multiset
+    ("a red circle and a blue circle", [RED_CIRCLE, _object("blue", "circle")], 1.0),
+    ("a red circle and a blue circle", [RED_CIRCLE, RED_CIRCLE], (1 + 1 / 2) / 2),
+    ("a red circle and a blue circle", [RED_CIRCLE], (1 - 1 / 2 + 0) / 2),
+    # position: target (blue square) terms, subject (red circle) terms, relation term(s)
+    ("a red circle left of a blue square", [RED_CIRCLE, BLUE_SQUARE], 1.0),
+    ("a red circle right of a blue square", [RED_CIRCLE, BLUE_SQUARE], (1 + 1 + 1 + 1 + 0 + 1) / 6),
+    ("a red circle left of a blue square", [RED_CIRCLE], (0 + 0 + 1 + 1 + 0) / 5),  # no target
+    ("a red circle left of a blue square", [RED_CIRCLE, BLUE_SQUARE, BLUE_SQUARE], (0 + 0 + 1 + 1 + 0) / 5),
+    (
+        "a red circle left of a blue square",
+        [_object("green", "circle", 0.25), BLUE_SQUARE],
+        (1 + 1 + 1 + 0) / 4,
+    ),
+    # subject missing: no relation term
+    ("a red circle left of a blue square", [BLUE_SQUARE], (1 + 1 + 0 + 0) / 4),
+    (
+        "a red circle right of a blue circle",
+        [RED_CIRCLE, _object("blue", "circle", 0.75)],
+        (1 + 1 + 0 + 1) / 4,
+    ),
+]
+
+
+@pytest.mark.parametrize(("caption", "objects", "expected"), GRADED_CASES)
+def test_graded_partial_credit_follows_the_reference(
+    caption: str, objects: list[DetectedObject], expected: float
+) -> None:
+    assert _graded(caption, objects) == pytest.approx(expected, abs=1e-12)
+
+
+def test_graded_ignores_extras_where_dense_rewards_them() -> None:
+    # "a red circle" drawn as a blue circle and a green square: adding a red square makes dense's
+    # "red present" hold (+1 clause of 4) but is not read by graded (a square is not asked for).
+    wrong = [_object("blue", "circle"), _object("green", "square")]
+    extra = [*wrong, _object("red", "square")]
+    assert (_dense("a red circle", wrong), _dense("a red circle", extra)) == (1 / 4, 2 / 4)
+    assert _graded("a red circle", wrong) == _graded("a red circle", extra) == (1 + 0) / 2
+    # No extra beats the exact image: one of an unnamed shape ties with it, one of its shape costs.
+    for colour in COLOURS:
+        for shape in SHAPES:
+            score = _graded("a red circle", [RED_CIRCLE, _object(colour, shape, 0.75)])
+            assert score == (1.0 if shape != "circle" else (1 - 1 / 1 + 0) / 2), (colour, shape)
+
+
+_KINDS = st.tuples(st.sampled_from(COLOURS), st.sampled_from(SHAPES))
+_CAPTIONS = st.one_of(
+    st.builds(lambda k: f"a {k[0]} {k[1]}", _KINDS),
+    st.builds(lambda n, k: f"{n} {k[0]} {k[1]}s", st.sampled_from(["two", "three", "four"]), _KINDS),
+    st.builds(lambda a, b: f"a {a[0]} {a[1]} and a {b[0]} {b[1]}", _KINDS, _KINDS),
+    st.builds(
+        lambda a, rel, b: f"a {a[0]} {a[1]} {rel} a {b[0]} {b[1]}",
+        _KINDS,
+        st.sampled_from(["left of", "right of", "above", "below"]),
+        _KINDS,
+    ),
+)
+_OBJECTS = st.builds(
+    lambda kind, x, y: _object(kind[0], kind[1], x, y),
+    _KINDS,
+    st.sampled_from([0.2, 0.5, 0.8]),
+    st.sampled_from([0.2, 0.5, 0.8]),
+)
+
+
+@given(caption=_CAPTIONS, objects=st.lists(_OBJECTS, max_size=6), extra=_OBJECTS)
+@example(caption="a red circle", objects=[RED_CIRCLE] * 20, extra=RED_CIRCLE)  # the floor
+def test_graded_bounds_and_extras(caption: str, objects: list[DetectedObject], extra: DetectedObject) -> None:
+    try:
+        parsed = parse_caption(caption)
+    except ValueError:  # a position caption relating an object to one just like it
+        assume(False)
+    score, with_extra = _graded(caption, objects), _graded(caption, [*objects, extra])
+    assert -7.0 <= score <= 1.0
+    if all(scene_clauses(parsed, objects)):
+        assert score == 1.0
+    asked: Counter[str] = Counter()  # shape -> count asked
+    for phrase in parsed.phrases:
+        asked[phrase.shape] += phrase.count
+    if extra.shape not in asked:
+        assert with_extra == score, "an unnamed shape is not read"
+    elif all(sum(o.shape == shape for o in objects) >= k for shape, k in asked.items()):
+        assert with_extra <= score, "an object beyond the asked counts never raises the score"
+
+
+def test_graded_scores_images_end_to_end() -> None:
+    # The same rules through the detector on renders (positions two object sizes apart).
+    red_circle = SceneObject("circle", "red", (0.25, 0.5), 0.25)
+    blue_square = SceneObject("square", "blue", (0.75, 0.5), 0.25)
+    green_triangle = SceneObject("triangle", "green", (0.5, 0.15), 0.2)
+    images = batch(
+        [
+            render_objects([red_circle, blue_square]),
+            render_objects([red_circle, blue_square]),
+            render_objects([red_circle, blue_square, green_triangle]),
+            render_objects([red_circle]),
+        ]
+    )
+    recs = [
+        PromptRecord("a red circle left of a blue square"),
+        PromptRecord("a red circle right of a blue square"),
+        PromptRecord("a red circle left of a blue square"),
+        PromptRecord("two red circles"),
+    ]
+    expected = [1.0, 5 / 6, 1.0, (1 - 1 / 2 + 0) / 2]
+    assert GRADED(images, recs).tolist() == pytest.approx(expected, abs=1e-6)  # float32 of the means
+    assert EXACT(images, recs).tolist() == [1.0, 0.0, 0.0, 0.0]  # the unnamed triangle fails exact only
 
 
 def test_any_image_size_and_layout() -> None:
@@ -184,8 +376,9 @@ def test_scores_a_batch_at_cpu_speed() -> None:
 
 
 def test_registry_builds_and_checks_the_scene_rewards() -> None:
-    for reward in (EXACT, DENSE):
+    for reward in (EXACT, DENSE, GRADED):
         assert isinstance(reward, RewardFn)
+    assert GRADED.name == "scene_graded" and not GRADED.pass_fail
     rewards = build_rewards(
         [{"name": "scene_exact"}, {"name": "scene_dense", "weight": 0.5, "kwargs": {"min_area": 0.002}}]
     )
@@ -198,6 +391,8 @@ def test_registry_builds_and_checks_the_scene_rewards() -> None:
         validate_reward_spec("scene_dense", {"colour_threshold": -1})
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'nan'"):
         validate_reward_spec("scene_exact", {"on_error": "skip"})
+    with pytest.raises(ValueError, match=r"margin must be a number in \(0.0, 0.5\), got 0.7"):
+        validate_reward_spec("scene_graded", {"margin": 0.7})
 
 
 def test_a_prompt_outside_the_grammar_raises_or_scores_nan() -> None:
@@ -206,6 +401,10 @@ def test_a_prompt_outside_the_grammar_raises_or_scores_nan() -> None:
     with pytest.raises(RewardError, match=r"'scene_exact', sample 1: not a scene caption"):
         EXACT(images, recs)
     scores = build_reward("scene_exact", on_error="nan")(images, recs)
+    assert scores[0].item() == 1.0 and math.isnan(scores[1].item())
+    with pytest.raises(RewardError, match=r"'scene_graded', sample 1: not a scene caption"):
+        GRADED(images, recs)
+    scores = build_reward("scene_graded", on_error="nan")(images, recs)
     assert scores[0].item() == 1.0 and math.isnan(scores[1].item())
 
 

@@ -76,7 +76,7 @@ def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
             "step": trainer.step,
             "sampler": {
                 "num_steps": evaluator.eval_config.num_steps,
-                "guidance_scale": evaluator.sampler.guidance_scale,
+                "guidance_scale": evaluator.guidance_scale,
                 "seed": evaluator.seed,
                 "kind": "ode",
             },

@@ -92,7 +92,8 @@ class EvalResult:
 
 
 class Evaluator:
-    """Deterministic samples of the validation prompts (``eval.*``, at the ``sampler.*`` size and CFG),
+    """Deterministic samples of the validation prompts (``eval.*``, at the ``sampler.*`` size and CFG
+    unless ``eval.guidance_scale`` sets the CFG),
     scored by the training rewards and the gold ones."""
 
     def __init__(
@@ -128,6 +129,12 @@ class Evaluator:
         self._before: tuple[int, torch.Tensor] | None = None
         self._first_rows: list[dict[str, Any]] = []
 
+    @property
+    def guidance_scale(self) -> float:
+        """The evaluation's CFG: ``eval.guidance_scale``, else the rollouts' ``sampler.guidance_scale``."""
+        g = self.eval_config.guidance_scale
+        return self.sampler.guidance_scale if g is None else g
+
     def due(self, step: int) -> bool:
         every = self.eval_config.every
         return bool(every and self.records and (step % every == 0 or step == self.total_steps))
@@ -146,7 +153,7 @@ class Evaluator:
         request = deterministic_request(
             records,
             num_steps=self.eval_config.num_steps,
-            guidance_scale=s.guidance_scale,
+            guidance_scale=self.guidance_scale,
             height=s.height,
             width=s.width,
             seed=self.seed,

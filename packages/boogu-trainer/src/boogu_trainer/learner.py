@@ -198,6 +198,40 @@ class Learner:
                 break
         return self.finish(acc, finite=all_finite, weights_finite=weights_finite)
 
+    def gradient(self, batch: ScoredBatch, step: int = 0, rows: list[int] | None = None) -> torch.Tensor:
+        """The loss gradient of an update's first optimizer step on ``rows`` of ``batch`` (default: every
+        row, as one mini-batch), flattened over the LoRA parameters: (P,) float32 on the device.
+
+        The same loss, micro-batches and weighting as `update` (the mean over the rows and the terms),
+        at the weights that rolled the batch out (so the ratio is 1: on-policy). Nothing is stepped:
+        the weights, AdamW and the counters are untouched, and the gradients are zeroed again. The
+        instruments of `benchmarks/gradient_check.py` (the cosine across batches, the uphill check)
+        are built on it. A descent step ``-eps * g`` raises the expected reward when the estimator is right.
+        """
+        rows = list(range(batch.trajectory.batch_size)) if rows is None else list(rows)
+        advantages = torch.where(
+            batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages)
+        )
+        self.algorithm.begin(batch, step)
+        self.algorithm.prepare([rows])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.transformer.train()
+        try:
+            acc: dict[str, list[torch.Tensor | float]] = defaultdict(list)
+            self._accumulate(batch, advantages, self.micro_batches(rows), len(rows), acc, first=True)
+            flat = torch.cat(
+                [
+                    torch.zeros(p.numel(), device=self.device)
+                    if p.grad is None
+                    else full_tensor(p.grad).detach().float().flatten()
+                    for p in self.params
+                ]
+            )
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.transformer.eval()
+        return flat
+
     def micro_batches(self, rows: torch.Tensor | list[int]) -> list[list[int]]:
         """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
         return micro_batches(rows, self.algorithm_config.train_micro_batch_size)

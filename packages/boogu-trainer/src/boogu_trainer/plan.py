@@ -504,11 +504,18 @@ def plan_memory(
     s = config.sampler
     p = int(tcfg.get("patch_size", 2))
     grid = (s.height // 8 // p, s.width // 8 // p)
-    cfg_rows = 2 if uses_cfg(s.guidance_scale) and config.rollout.cfg_mode == "batched" else 1
+    batched = config.rollout.cfg_mode == "batched"
+    # A sampling call holds both CFG rows when the rollouts or the evaluation (eval.guidance_scale) use CFG.
+    sampled_guidance = [s.guidance_scale] + (
+        [config.eval.guidance_scale] if config.eval.every and config.eval.guidance_scale is not None else []
+    )
+    cfg_rows = 2 if batched and any(uses_cfg(g) for g in sampled_guidance) else 1
     a = config.algorithm
     opts = a.forward_options
     # NFT and AWM train the conditional velocity unless `guided` (then both CFG rows, as flow_grpo)
-    train_rows = 1 if opts is not None and not opts.guided else cfg_rows
+    train_rows = (
+        1 if opts is not None and not opts.guided else (2 if batched and uses_cfg(s.guidance_scale) else 1)
+    )
     per_rank = max(config.data.prompts_per_step * a.group_size // world_size, 1)
     if opts is not None:
         levels = opts.timesteps if opts.timesteps is not None else s.num_steps - 1

@@ -610,6 +610,8 @@ class EvalConfig:
     """Denoising steps for evaluation (deterministic ODE sampling)."""
     num_prompts: int = 16
     """Evaluation prompts per evaluation."""
+    guidance_scale: float | None = None
+    """Text CFG of the evaluation's samples; null: sampler.guidance_scale (set it when the rollouts sample without CFG)."""
     rewards: tuple[RewardSpec, ...] = ()
     """Held-out "gold" rewards, computed only on the evaluation set (same form as reward.rewards); empty: the training rewards."""
     stop_on_divergence: int = 0
@@ -625,6 +627,8 @@ class EvalConfig:
         _check_reward_specs(self.rewards, "eval.rewards")
         _check(self.num_steps >= 1, "eval.num_steps", self.num_steps, ">= 1")
         _check(self.num_prompts >= 1, "eval.num_prompts", self.num_prompts, ">= 1")
+        if self.guidance_scale is not None:
+            _check(self.guidance_scale >= 1.0, "eval.guidance_scale", self.guidance_scale, ">= 1 or null")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@
   ``scene_exact``             GenEval-style: the image shows exactly what its       {0, 1}
                               procedural-scene caption names (boogu_data.scenes)
   ``scene_dense``             the fraction of the caption's clauses that hold       [0, 1]
+  ``scene_graded``            GenEval's graded training reward (flow_grpo's         [-7, 1]
+                              GenEval recipe): per named shape, count and colour
+                              partial credit, plus the relation
   ``scene_edit_exact``        a scene edit done on the reference image's named      {0, 1}
                               object with every other object kept
                               (boogu_data.scene_edits)
@@ -70,7 +73,7 @@ from boogu_trainer.rewards.registry import (
     register_reward,
     validate_reward_spec,
 )
-from boogu_trainer.rewards.scene import SceneReward, detect_objects, scene_dense, scene_exact
+from boogu_trainer.rewards.scene import SceneReward, detect_objects, scene_dense, scene_exact, scene_graded
 from boogu_trainer.rewards.scene_edit import SceneEditReward, scene_edit_dense, scene_edit_exact
 from boogu_trainer.rewards.text_score import fold_text, levenshtein, ocr_text_score
 from boogu_trainer.rewards.vlm import VlmOcrReward
@@ -112,5 +115,6 @@ __all__ = [
     "scene_edit_dense",
     "scene_edit_exact",
     "scene_exact",
+    "scene_graded",
     "validate_reward_spec",
 ]

@@ -1,4 +1,5 @@
-"""``scene_exact`` / ``scene_dense``: a GenEval-style verifier for the procedural scenes of boogu-data.
+"""``scene_exact`` / ``scene_dense`` / ``scene_graded``: a GenEval-style verifier for the procedural
+scenes of boogu-data.
 
 The prompt's TEXT is parsed (`boogu_data.scenes.parse_caption`, the grammar of
 `boogu_data.scenes`), so any caption of the grammar is scored, whether or not the record carries a
@@ -30,6 +31,61 @@ caption's multiset and the relation holds.
 
 * ``scene_exact``: 1.0 when every clause holds, else 0.0 (GenEval's per-image correctness).
 * ``scene_dense``: the fraction of clauses that hold, in [0, 1] (a graded signal for RL).
+* ``scene_graded``: the graded GenEval score that flow_grpo's GenEval recipe trains on (below).
+
+``scene_graded``, the reference's training reward. flow_grpo (github.com/yifan123/flow_grpo,
+``flow_grpo/rewards.py``: ``geneval_score``; ``scripts/train_sd3.py`` takes its ``scores`` as the
+reward and only logs ``strict_accuracy``) gets it from its reward server, github.com/yifan123/reward-server,
+``reward_server/gen_eval.py``: ``evaluate_reward``. GenEval's metadata (github.com/djghosh13/geneval,
+``prompts/create_prompts.py``) lists ``include`` requirements, each a detector class with a
+``count``, optionally a ``color`` and a ``position`` ``(relation, index of the target requirement)``:
+``single_object`` and ``two_object`` name one or two classes (count 1), ``counting`` one class
+(count 2-4), ``colors`` one class with a colour, ``color_attr`` two classes with a colour each,
+``position`` the target class B then the class A with ``(relation, 0)`` ("an A left of a B"). The
+server keeps at most 16 detections a class (``MAX_OBJECTS``) and, per requirement, with ``n`` the
+number of detections of its class and ``k`` its count, appends partial scores to one list:
+
+1. ``1 - |k - n| / k``, always (not clipped: negative once ``n > 2k``);
+2. if ``n != k``: one ``0`` when the requirement has a colour or a position (neither is checked);
+3. else, with a colour: ``1 - |k - m| / k``, ``m`` the detections classified as that colour (so
+   ``m / k``); the requirement is met when ``m == k`` (or when it has no colour);
+4. then, with a position and the requirement met: ``0`` when the target requirement is not met;
+   else ``1`` when every (detection, target detection) pair is in the relation, and ``0, 1`` (two
+   entries) when a pair is not: after the loop that appends the ``0`` the server appends the ``1``
+   unconditionally, so a failed relation weighs as half a clause with one more entry.
+
+The image's score is the mean of the list (0 for an empty list). ``exclude`` requirements (the
+counting task's "not k + 1") are not read by it; GenEval's strict correctness (``n == k``, colours
+and relation all right) is what flow_grpo logs as ``strict_accuracy``.
+
+Our captions map onto it with the shape as the detector class and the colour as the classified
+attribute: ``single_object`` is GenEval's ``colors``, ``two_object`` its ``color_attr``,
+``counting`` its ``counting`` with a colour (steps 1-3 as written), ``position`` its ``position``
+with a colour on both requirements (phrase 1 is the target, phrase 0 has the relation). One
+extension: GenEval never names one class twice, our grammar does ("a red circle and a blue
+circle"), and two requirements over the same detections would both miss (each sees ``n = 2``). So
+the phrases of one shape form one requirement: ``k`` their summed counts, ``m`` the objects whose
+colour a phrase of the shape asks for, at most as many per colour as asked (the same ``m`` when
+one colour is asked); a relation's objects are those of its phrase's colour and shape. Relations are
+tested as ``scene_exact`` tests them (centroids, ``margin``), not by GenEval's box rule.
+
+``scene_graded`` next to ``scene_dense``:
+
+* Clauses: per named *shape* the count term and the colour term (no "shape present" or "colour
+  present" clause, no whole-image count), the relation term(s); ``scene_dense`` scores per *phrase*
+  shape present, colour present and exact count, plus the whole-image count and the relation.
+* Range: [-7, 1], not [0, 1]: it is below 0 only when some named shape is drawn more than twice as
+  often as asked (``"a red circle"`` with three circles: ``(1 - 2 + 0) / 2 = -0.5``). It is 1
+  whenever ``scene_exact`` is 1, and >= ``scene_exact`` whenever it is >= 0.
+* Extra objects: an object of a shape the caption does not name (or no shape of the grammar) is not
+  read at all, so it neither raises nor lowers the score: the exact image plus such extras scores
+  1, as the exact image does (``scene_exact``: 0). An object of a named shape beyond its count
+  lowers the count term, zeroes the colour term and drops the relation's target. No image scores
+  above 1, the exact image's score, and adding an object never raises the score once every named
+  shape has its count. ``scene_dense`` instead rewards an extra object of the wrong pair (it makes
+  "shape present" / "colour present" hold while the whole-image count costs only one clause), which
+  is how a policy trained on it learns to draw more objects; ``scene_graded`` has no such gradient
+  towards extras, but none against extras of unnamed shapes either.
 
 Accuracy (tests/trainer/test_scene_rewards.py): exact 1 on every ground-truth render of 600 scenes at
 64² and 128², 99.7% when blurred (sigma = side/64) and noised (sigma 12); exact 0 on every render
@@ -42,9 +98,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -55,7 +112,20 @@ from boogu_data.scenes import BACKGROUND, COLOURS, PALETTE, ParsedCaption, parse
 from boogu_trainer.rewards.base import OnError, RewardError, check_batch, check_on_error, images_to_numpy
 from boogu_trainer.rewards.registry import register_reward
 
-__all__ = ["DetectedObject", "SceneReward", "detect_objects", "scene_clauses", "scene_dense", "scene_exact"]
+__all__ = [
+    "DetectedObject",
+    "SceneReward",
+    "SceneScore",
+    "detect_objects",
+    "graded_terms",
+    "scene_clauses",
+    "scene_dense",
+    "scene_exact",
+    "scene_graded",
+]
+
+SceneScore = Literal["exact", "dense", "graded"]
+"""How `SceneReward` scores an image: ``scene_exact``, ``scene_dense`` or ``scene_graded`` (module docstring)."""
 
 WORK_SIZE = 128
 """Images with a side above this are area-averaged down to it (or less) before they are read."""
@@ -70,6 +140,9 @@ PROTOTYPES: dict[str, tuple[float, float, float]] = {
     "circle": (0.78, 0.28, 0.28),
     "triangle": (0.53, 0.0, 0.8),
 }
+MAX_PER_SHAPE = 16
+"""Objects of one shape counted at most by ``scene_graded`` (the reference server's ``MAX_OBJECTS``
+detections per class), which bounds its count term below by ``1 - 15 / 1``."""
 _PALETTE = np.array([PALETTE[name] for name in COLOURS], dtype=np.float32)  # (K, 3) RGB in [0, 255]
 _BACKGROUND = np.array(BACKGROUND, dtype=np.float32)  # (3,)
 
@@ -258,8 +331,45 @@ def scene_clauses(
     return clauses
 
 
+def graded_terms(
+    caption: ParsedCaption, objects: Sequence[DetectedObject], margin: float = 0.05
+) -> list[float]:
+    """The partial scores whose mean is ``scene_graded`` (the module docstring gives the reference's
+    rules and how our captions map onto them): per named shape a count term and a colour term, then
+    for a position caption the relation's term(s)."""
+    asked: dict[str, Counter[str]] = {}  # shape -> colour -> count, in caption order
+    for phrase in caption.phrases:
+        asked.setdefault(phrase.shape, Counter())[phrase.colour] += phrase.count
+    terms: list[float] = []
+    met: dict[str, bool] = {}
+    for shape, colours in asked.items():
+        k = sum(colours.values())
+        found = Counter(o.colour for o in objects if o.shape == shape)
+        n = min(found.total(), MAX_PER_SHAPE)
+        terms.append(1 - abs(k - n) / k)
+        if n != k:
+            terms.append(0.0)  # one zero stands for the colour and the relation, neither checked
+            met[shape] = False
+            continue
+        m = sum(min(count, found[colour]) for colour, count in colours.items())
+        terms.append(1 - abs(k - m) / k)
+        met[shape] = m == k
+    if caption.relation is not None:
+        first, second = caption.phrases[0], caption.phrases[1]
+        if met[first.shape]:
+            if not met[second.shape]:
+                terms.append(0.0)  # no target
+            else:
+                a = [o for o in objects if (o.colour, o.shape) == (first.colour, first.shape)]
+                b = [o for o in objects if (o.colour, o.shape) == (second.colour, second.shape)]
+                holds = all(_holds(p, caption.relation, q, margin) for p in a for q in b)
+                # The reference appends 1 after its pair loop even when the loop appended a 0.
+                terms.extend([1.0] if holds else [0.0, 1.0])
+    return terms
+
+
 class SceneReward:
-    """GenEval-style verifier of procedural scenes (module docstring); ``dense`` picks the score.
+    """GenEval-style verifier of procedural scenes (module docstring); ``score`` picks the score.
 
     Options: ``colour_threshold`` (RGB distance, default 120), ``min_area`` (fraction of the image,
     default 0.004: 16 pixels at 64²), ``margin`` (fraction of the side a relation needs, default
@@ -270,16 +380,20 @@ class SceneReward:
     def __init__(
         self,
         name: str,
-        dense: bool,
+        score: SceneScore,
         colour_threshold: float = 120.0,
         min_area: float = 0.004,
         margin: float = 0.05,
         on_error: OnError = "raise",
     ) -> None:
+        if score not in get_args(SceneScore):
+            raise ValueError(
+                f"scene reward {name!r}: score must be one of {get_args(SceneScore)}, got {score!r}"
+            )
         _check_options({"colour_threshold": colour_threshold, "min_area": min_area, "margin": margin})
         self.name = name
-        self.dense = dense
-        self.pass_fail = not dense  # scores are verdicts in {0, 1} (RewardFn)
+        self.score = score
+        self.pass_fail = score == "exact"  # scores are verdicts in {0, 1} (RewardFn)
         self.colour_threshold = float(colour_threshold)
         self.min_area = float(min_area)
         self.margin = float(margin)
@@ -301,8 +415,12 @@ class SceneReward:
             if caption is None:
                 scores.append(float("nan"))
                 continue
+            if self.score == "graded":
+                terms = graded_terms(caption, objects, self.margin)
+                scores.append(sum(terms) / len(terms))
+                continue
             clauses = scene_clauses(caption, objects, self.margin)
-            scores.append(sum(clauses) / len(clauses) if self.dense else float(all(clauses)))
+            scores.append(sum(clauses) / len(clauses) if self.score == "dense" else float(all(clauses)))
         return torch.tensor(scores, dtype=torch.float32)
 
 
@@ -322,7 +440,7 @@ def scene_exact(
     """GenEval-style correctness of a procedural scene (boogu_data.scenes): 1.0 when the image shows
     exactly the objects its caption names (colour, shape, count) in the named relation, else 0.0.
     Range: {0, 1}."""
-    return SceneReward("scene_exact", False, colour_threshold, min_area, margin, on_error)
+    return SceneReward("scene_exact", "exact", colour_threshold, min_area, margin, on_error)
 
 
 @register_reward("scene_dense", check=_check_options)
@@ -335,8 +453,24 @@ def scene_dense(
     """Partial credit on a procedural scene (boogu_data.scenes): the fraction of the caption's clauses
     (per phrase: shape present, colour present, exact count; the number of objects; the relation)
     that the image satisfies. Range: [0, 1]; 1 exactly when ``scene_exact`` is 1."""
-    return SceneReward("scene_dense", True, colour_threshold, min_area, margin, on_error)
+    return SceneReward("scene_dense", "dense", colour_threshold, min_area, margin, on_error)
+
+
+@register_reward("scene_graded", check=_check_options)
+def scene_graded(
+    colour_threshold: float = 120.0,
+    min_area: float = 0.004,
+    margin: float = 0.05,
+    on_error: OnError = "raise",
+) -> SceneReward:
+    """GenEval's graded training reward (flow_grpo's GenEval recipe, computed as its reward server
+    does) on a procedural scene (boogu_data.scenes): the mean of, per shape the caption names,
+    ``1 - |k - n| / k`` for the count and the share of the right colours, plus the relation's term.
+    Objects of shapes the caption does not name are not read. Range: [-7, 1] (below 0 only when a
+    named shape is drawn more than twice as often as asked); 1 whenever ``scene_exact`` is 1."""
+    return SceneReward("scene_graded", "graded", colour_threshold, min_area, margin, on_error)
 
 
 scene_exact.__doc__ = (scene_exact.__doc__ or "") + _OPTIONS_DOC
 scene_dense.__doc__ = (scene_dense.__doc__ or "") + _OPTIONS_DOC
+scene_graded.__doc__ = (scene_graded.__doc__ or "") + _OPTIONS_DOC

@@ -1,0 +1,135 @@
+"""The uphill check (`benchmarks/gradient_check.py`) on every learner: a step along the estimated
+gradient raises the expected reward, and a flipped advantage or log-prob sign makes it fall.
+
+The tiny random checkpoint with the brightness reward (a reward it can move in one step), a few
+prompt groups: the instrument is the same one users run on their own recipe and reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from boogu_trainer import losses
+from boogu_trainer.algorithms import awm as awm_module
+from boogu_trainer.algorithms import flow_grpo as flow_grpo_module
+from boogu_trainer.config import load_config
+from boogu_trainer.trainer import Trainer
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+LEARNERS = {
+    "flow_grpo": [
+        "algorithm.name=flow_grpo",
+        "algorithm.loss=ppo_clip",
+        "sampler.window_size=2",
+        "sampler.window_range=[0,3]",
+        "sampler.noise_level=0.8",
+    ],
+    "grpo_guard": [
+        "algorithm.name=flow_grpo",
+        "algorithm.loss=grpo_guard",
+        "sampler.window_size=2",
+        "sampler.window_range=[0,3]",
+        "sampler.noise_level=0.8",
+    ],
+    "diffusion_nft": ["algorithm.name=diffusion_nft", "algorithm.nft.timesteps=2", "sampler.window_size=0"],
+    "awm": ["algorithm.name=awm", "algorithm.awm.timesteps=2", "sampler.window_size=0"],
+}
+
+
+@pytest.fixture(scope="module")
+def gradient_check():
+    sys.path.insert(0, str(BENCHMARKS))  # the script imports its sibling _common
+    try:
+        yield importlib.import_module("gradient_check")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def flip_log_prob(monkeypatch, learner: str) -> None:
+    """The log-probability's sign flipped where the learner's loss reads it."""
+    if learner == "flow_grpo":
+        monkeypatch.setattr(
+            flow_grpo_module,
+            "policy_loss",
+            lambda log_prob, old, adv, clip: losses.policy_loss(-log_prob, -old, adv, clip),
+        )
+    elif learner == "grpo_guard":
+        monkeypatch.setattr(
+            flow_grpo_module,
+            "grpo_guard_loss",
+            lambda log_prob, old, *rest, **kw: losses.grpo_guard_loss(-log_prob, -old, *rest, **kw),
+        )
+    else:
+        monkeypatch.setattr(awm_module, "awm_log_prob", lambda v, target: -losses.awm_log_prob(v, target))
+
+
+# DiffusionNFT has no log-probability: its one sign is the optimality probability r(A), which decides
+# whether v+ or v- is pulled to the sample, so swapping them is exactly the advantage flip.
+FLIPS = {
+    "flow_grpo": ("none", "advantage", "log_prob"),
+    "grpo_guard": ("none", "advantage", "log_prob"),
+    "diffusion_nft": ("none", "advantage"),
+    "awm": ("none", "advantage", "log_prob"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", list(LEARNERS))
+def test_uphill_check_catches_a_flipped_sign(gradient_check, tiny_checkpoint, tmp_path, learner):
+    trainer = Trainer(
+        load_config(
+            None,
+            [
+                f"model.path={tiny_checkpoint}",
+                "model.device=cpu",
+                "data.prompts_per_step=2",
+                "algorithm.group_size=4",
+                "sampler.num_steps=4",
+                "sampler.height=32",
+                "sampler.width=32",
+                "sampler.guidance_scale=2.0",
+                "lora.rank=4",
+                "lora.alpha=8",
+                "optim.lr=1e-3",
+                "reward.rewards=[{name: demo_brightness}]",
+                *LEARNERS[learner],
+                f"logging.run_dir={tmp_path}",
+                "logging.progress=false",
+                "preflight=false",
+                "seed=5",
+            ],
+        )
+    )
+    right = trainer.rollout.algorithm
+    before = [p.detach().clone() for p in trainer.learner.params]
+    try:
+        for flip in FLIPS[learner]:
+            with pytest.MonkeyPatch.context() as patch:
+                if flip == "advantage":
+                    patch.setattr(
+                        trainer.rollout, "algorithm", dataclasses.replace(right, advantage_sign=-1.0)
+                    )
+                if flip == "log_prob":
+                    flip_log_prob(patch, learner)
+                result = gradient_check.measure(
+                    trainer, groups=8, sizes=[8], eps=[0.3], eval_groups=4, cosine=True
+                )
+            step = result["uphill"]["steps"][0]
+            assert result["rollouts"]["images"] == 32 and result["uphill"]["images"] == 16
+            assert len(result["cosine"]) == 1 and result["cosine"][0]["batches"] == 4
+            if flip == "none":
+                assert step["uphill"], step
+                assert step["plus"] > result["uphill"]["base"] > step["minus"], step
+            else:
+                assert step["margin"] < -2 * step["margin_se"], (flip, step)
+            # the check puts the weights back bitwise and leaves no gradient behind
+            assert all(bool((p == b).all()) for p, b in zip(trainer.learner.params, before))
+            assert all(p.grad is None for p in trainer.learner.params)
+    finally:
+        trainer.close()
