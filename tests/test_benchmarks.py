@@ -412,3 +412,129 @@ def test_algorithms_scenes_run_files_survive_a_config_key_added_later(monkeypatc
     changed["config"]["optim"]["lr"] = 1.0
     assert not same(old, changed) and not same(now, changed)
     assert not same({**now, "extra": 1}, now)  # a key the file has and the settings lost
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/ceiling.py: supervised flow matching of the demo's LoRA on the RL prompts' renders
+
+
+@pytest.mark.slow
+def test_ceiling_quick(tmp_path, monkeypatch):
+    out = tmp_path / "ceiling.json"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
+    run_script("ceiling.py", ["--quick", "--json", str(out)], monkeypatch)
+    figures = json.loads(out.read_text())
+    settings = figures["settings"]
+    assert settings["budget_fe"] == 96 and settings["fe_marks"] == [24, 48, 72, 96] and settings["batch"] == 8
+    assert settings["lr"] == "0.001" and settings["config"]["lora"]["rank"] == 8  # the demo's lr and LoRA
+    assert figures["records"] == 64 and figures["eval_prompts"] == 4 == len(figures["base_gold"])
+    # the trainer's FE rule: 8 rows x (forward 1 + backward 2) per step, one evaluation per mark
+    assert figures["curve"]["cum_fe"] == [24, 48, 72, 96]
+    assert [(e["mark_fe"], e["step"], e["cum_fe"]) for e in figures["evaluations"]] == [
+        (24, 1, 24),
+        (48, 2, 48),
+        (72, 3, 72),
+        (96, 4, 96),
+    ]
+    assert all(0 < loss < 10 for loss in figures["curve"]["loss"])
+    for e in figures["evaluations"]:
+        assert 0.0 <= e["gold"] <= 1.0 and len(e["prompts_gold"]) == 4
+        assert e["gain"] == pytest.approx(e["gold"] - figures["base"], abs=1e-3)  # 4-decimal JSON
+
+
+@pytest.mark.slow
+def test_ceiling_trains_on_the_rl_prompts_through_the_trainers_encoder(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ceiling = runpy.run_path(str(BENCHMARKS / "ceiling.py"), run_name="ceiling")
+    import torch
+
+    from boogu_adapters.lora import adapters_disabled
+    from boogu_data.scenes import Scene
+    from boogu_trainer.tiny_pretrain import (
+        draw_flow_batch,
+        encode_captions,
+        flow_matching_loss,
+        training_sigmas,
+    )
+    from boogu_trainer.trainer import Trainer
+
+    trainer = Trainer(ceiling["run_config"](0, str(tmp_path), None, True))
+    try:
+        records = trainer.data.records
+        data = ceiling["training_set"](trainer)
+        assert data.latents.shape[0] == len(records) == 64 and data.hidden.shape[0] == 65
+        assert all(Scene.from_json(r.ground_truth).caption() == r.instruction for r in records)
+        # the trainer's prompt encoder and the pretraining's caption encoding give the same features
+        captions = [r.instruction for r in records[:5]]
+        hidden, mask = encode_captions(trainer.parts, captions)  # its last row: the empty negative
+        for i in (*range(5), -1):
+            n = int(mask[i].sum())
+            assert int(data.mask[i].sum()) == n
+            torch.testing.assert_close(data.hidden[i, :n], hidden[i, :n], atol=1e-5, rtol=1e-5)
+        # the demo's LoRA at its init (B = 0) leaves the base's loss exactly as it was
+        batch = draw_flow_batch(
+            data.latents,
+            4,
+            training_sigmas(trainer.parts.schedule_config),
+            0.5,
+            64,
+            torch.Generator().manual_seed(0),
+        )
+        freqs = trainer.local_engine.freqs_cis
+        with torch.no_grad():
+            lora = flow_matching_loss(trainer.transformer, batch, data.hidden, data.mask, freqs)
+            with adapters_disabled(trainer.transformer):
+                base = flow_matching_loss(trainer.transformer, batch, data.hidden, data.mask, freqs)
+        assert lora.dtype == torch.float32 and float(lora) == float(base) > 0
+    finally:
+        trainer.close()
+
+
+def test_ceiling_fe_marks(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    marks = runpy.run_path(str(BENCHMARKS / "ceiling.py"), run_name="ceiling")["fe_marks"]
+    assert marks(None, 44160.0) == [11040.0, 22080.0, 33120.0, 44160.0]
+    assert marks("1000,2000", 5000.0) == [1000.0, 2000.0, 5000.0]  # the budget is always evaluated
+    for bad in ("2000,1000", "0,1000", "1000,9000", "1000,1000", ""):
+        with pytest.raises(ValueError, match="--fe-marks"):
+            marks(bad, 5000.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/demo_throughput.py: the CPU demo's images/s with this package's savings off and on
+
+
+@pytest.mark.slow
+def test_demo_throughput_quick(tmp_path, monkeypatch):
+    out = tmp_path / "demo_throughput.json"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
+    run_script("demo_throughput.py", ["--quick", "--json", str(out)], monkeypatch)
+    figures = json.loads(out.read_text())
+    # one process per side, each a warm-up and one timed step of the quick 2 x 4 batch
+    assert [r["side"] for r in figures["runs"]] == ["before", "after"]
+    assert figures["runs"][1]["malloc_kept"] and not figures["runs"][0]["malloc_kept"]
+    assert all(r["images_per_step"] == 8 and len(r["step_walls_s"]) == 1 for r in figures["runs"])
+    # the savings changed no number: same LoRA weights, step rewards and evaluation scores
+    assert figures["results_bitwise_equal"] is True
+    assert figures["runs"][0]["results"] == figures["runs"][1]["results"]
+    assert len(figures["runs"][0]["results"]["eval_base"]) == 4
+    for side in ("before", "after"):
+        numbers = figures["sides"][side]
+        assert numbers["images_per_s"] > 0 and numbers["eval_images_per_s"] > 0
+        split = numbers["split_s"]
+        assert split["rollout transformer"] > 0 and split["update"] > 0
+        assert split["step"] >= split["rollout transformer"] + split["update"]
+    assert figures["ratio"] == pytest.approx(
+        figures["sides"]["after"]["images_per_s"] / figures["sides"]["before"]["images_per_s"], rel=1e-3
+    )
+    assert figures["cpu_ratio"] == pytest.approx(
+        figures["sides"]["before"]["cpu_s_per_image"] / figures["sides"]["after"]["cpu_s_per_image"], rel=1e-3
+    )
+    assert all(len(r["step_cpu_s"]) == 1 and r["step_cpu_s"][0] > 0 for r in figures["runs"])
+
+
+def test_demo_throughput_alternates_the_sides(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    order = runpy.run_path(str(BENCHMARKS / "demo_throughput.py"), run_name="demo_throughput")["order"]
+    assert order(1) == ["before", "after"]
+    assert order(3) == ["before", "after", "after", "before", "before", "after"]

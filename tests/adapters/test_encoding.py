@@ -21,6 +21,7 @@ from boogu_adapters.components import QwenPromptEncoder
 from boogu_adapters.encoding import (
     MAX_VLM_REFERENCE_PIXELS,
     MAX_VLM_REFERENCE_SIDE,
+    PromptCache,
     PromptEmbeds,
     count_prompt_tokens,
     decode_latents,
@@ -406,3 +407,137 @@ def test_decode_latents_to_uint8(tiny_parts) -> None:
     # float32 vs float64 rounding can move a pixel sitting on a .5 boundary by one level.
     assert (images.double() - want).abs().max() <= 1
     assert images.float().std() > 0
+
+
+# ---------------------------------------------------------------------------- the prompt cache
+
+
+class _CountingEncoder(torch.nn.Module):
+    """The tiny text encoder, counting its forwards (a cache hit runs none)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+def test_a_cached_batch_is_bitwise_a_fresh_encode(tiny_parts) -> None:
+    counting = _CountingEncoder(tiny_parts.text_encoder)
+    cached = QwenPromptEncoder(counting, tiny_parts.processor)
+    fresh = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor, cache_entries=0)
+    assert fresh.cache is None
+    batches = [["a red circle", "two blue squares left of a cat"], [""], ["a red circle"]]
+    first = [cached(batch, None) for batch in batches]
+    assert counting.calls == 3 and cached.cache.misses == 3
+    for batch, (hidden, mask) in zip(batches, first, strict=True):
+        again_hidden, again_mask = cached(batch, None)  # a hit: no encoder forward
+        want_hidden, want_mask = fresh(batch, None)
+        assert torch.equal(again_hidden, want_hidden) and torch.equal(again_mask, want_mask)
+        assert again_hidden is hidden and again_mask is mask  # the stored tensors themselves
+    assert counting.calls == 3 and cached.cache.hits == 3
+    # A prompt in another batch is not served from its first batch: its features there would differ
+    # in the last bits (the padded length changes the kernels' summation order).
+    hidden, _ = cached(["a red circle", "two blue squares left of a cat", "x"], None)
+    assert counting.calls == 4
+    assert torch.equal(hidden, fresh(["a red circle", "two blue squares left of a cat", "x"], None)[0])
+
+
+def test_the_cache_key_changes_with_everything_the_features_depend_on(tiny_parts) -> None:
+    encoder = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor)
+    image = _png(_noise_image(40, 72))
+    base = encoder.cache_key(["a cat", ""], None)
+    assert encoder.cache_key(["a cat", ""], None) == base
+    assert encoder.cache_key(["a cat", None], [None, None]) == base  # None is "", no images is no image
+    other_processor = copy.deepcopy(tiny_parts.processor)
+    other_processor.chat_template = other_processor.chat_template + " "
+    moved = copy.deepcopy(tiny_parts.text_encoder)
+    variants = {
+        "instruction": encoder.cache_key(["a dog", ""], None),
+        "order": encoder.cache_key(["", "a cat"], None),
+        "batch": encoder.cache_key(["a cat"], None),
+        "image": encoder.cache_key(["a cat", ""], [image, None]),
+        "template": QwenPromptEncoder(tiny_parts.text_encoder, other_processor).cache_key(
+            ["a cat", ""], None
+        ),
+        "view": QwenPromptEncoder(
+            tiny_parts.text_encoder, tiny_parts.processor, vlm_view="processor"
+        ).cache_key(["a cat", ""], None),
+        "weights": QwenPromptEncoder(moved, tiny_parts.processor).cache_key(["a cat", ""], None),
+        "dtype": QwenPromptEncoder(copy.deepcopy(moved).double(), tiny_parts.processor).cache_key(
+            ["a cat", ""], None
+        ),
+        "device": QwenPromptEncoder(copy.deepcopy(moved).to("meta"), tiny_parts.processor).cache_key(
+            ["a cat", ""], None
+        ),
+    }
+    assert all(key != base for key in variants.values()), [k for k, v in variants.items() if v == base]
+    assert len(set(variants.values())) == len(variants)
+    # An in-place change of the weights (a load, an accidental update) is a miss, then a fresh encode.
+    tracked = QwenPromptEncoder(moved, tiny_parts.processor)
+    before, _ = tracked(["a cat"], None)
+    with torch.no_grad():
+        moved.language_model.norm.weight.mul_(1.5)  # the text path's last norm (the first are the VLM's)
+    after, _ = tracked(["a cat"], None)
+    assert tracked.cache.hits == 0 and tracked.cache.misses == 2 and not torch.equal(before, after)
+    want = QwenPromptEncoder(moved, tiny_parts.processor, cache_entries=0)(["a cat"], None)[0]
+    assert torch.equal(after, want)
+
+
+def test_a_hit_is_still_checked_against_the_length_limit(tiny_parts) -> None:
+    encoder = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor)
+    _, mask = encoder(["a cat"], None)
+    encoder.max_sequence_length = int(mask.sum()) - 1
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        encoder(["a cat"], None)
+    assert encoder.cache.hits == 1
+
+
+def test_prompt_cache_is_a_bounded_lru() -> None:
+    def tensors(n: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int64))  # 12 n bytes
+
+    cache = PromptCache(max_entries=3, max_bytes=1200)
+    for key in "abc":
+        cache.put(key, tensors(10))
+    assert cache.get("a") is not None  # a is now the most recently used: b, c, a
+    cache.put("d", tensors(10))  # a fourth entry: b, the least recently used, goes
+    assert [k in cache for k in "abcd"] == [True, False, True, True] and cache.bytes == 360
+    cache.put("e", tensors(80))  # 960 bytes: c goes for the entry bound, which also fits 1200 bytes
+    assert [k in cache for k in "acde"] == [True, False, True, True] and cache.bytes == 1200
+    cache.put("f", tensors(20))  # 240 more bytes: a and then d go until the bytes fit
+    assert [k in cache for k in "adef"] == [False, False, True, True] and cache.bytes == 1200
+    cache.put("huge", tensors(101))  # 1212 bytes, more than the whole cache: never kept
+    assert "huge" not in cache and len(cache) == 2 and cache.bytes == 1200
+    old = cache.get("e")
+    cache.put("e", tensors(5))  # a new value replaces the old one and its bytes
+    assert cache.get("e") is not old and cache.bytes == 240 + 60
+    assert (cache.hits, cache.misses) == (3, 0)
+    assert cache.get("a") is None and cache.misses == 1
+    cache.clear()
+    assert len(cache) == 0 and cache.bytes == 0
+    with pytest.raises(ValueError, match="max_entries"):
+        PromptCache(max_entries=0, max_bytes=1)
+    with pytest.raises(ValueError, match="cache_entries"):
+        QwenPromptEncoder(None, None, cache_entries=-1)
+
+
+def test_the_encoder_cache_stays_within_its_bounds(tiny_parts) -> None:
+    encoder = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor, cache_entries=2)
+    for text in ("a", "b", "c", "a"):
+        encoder([text], None)
+    # a, b, c miss; a was evicted by c (two entries kept), so the last a misses again.
+    assert (encoder.cache.hits, encoder.cache.misses, len(encoder.cache)) == (0, 4, 2)
+    hidden, mask = encoder(["a"], None)
+    size = hidden.numel() * hidden.element_size() + mask.numel() * mask.element_size()
+    small = QwenPromptEncoder(tiny_parts.text_encoder, tiny_parts.processor, cache_bytes=size - 1)
+    small(["a"], None)
+    small(["a"], None)
+    assert len(small.cache) == 0 and small.cache.misses == 2  # too big to keep: encoded each time

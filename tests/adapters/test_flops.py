@@ -84,6 +84,36 @@ def test_lora_training_matches_flop_counter_on_meta():
     ).total == pytest.approx(measured, rel=0.01)
 
 
+def test_a_forward_that_reuses_its_text_path_matches_flop_counter_on_cpu():
+    """A rollout's later steps skip the caption embedder and context refiner (``InstructionCache``):
+    ``forward(layout, text_path=False)`` is what FlopCounterMode sees them compute."""
+    from boogu_adapters.model.transformer import InstructionCache
+
+    model = randomize_parameters(BooguImageTransformer2DModel(**TINY_CONFIG), 0)
+    model.requires_grad_(False)
+    add_lora(model, rank=4)
+    batch, text, grid = 2, 6, (4, 4)
+    p = TINY_CONFIG["patch_size"]
+    latents = torch.randn(batch, TINY_CONFIG["in_channels"], grid[0] * p, grid[1] * p)
+    instruct = torch.randn(batch, text, TINY_CONFIG["instruction_feature_configs"]["instruction_feat_dim"])
+    freqs = get_freqs_cis(model.config.axes_dim_rope, model.config.axes_lens, 10000)
+    cache = InstructionCache()
+    measured = []
+    for t in (0.2, 0.6):  # the first forward fills the cache, the second reuses it
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(latents, torch.full((batch,), t), instruct, freqs, None, None, instruction_cache=cache)
+        measured.append(counter.get_total_flops())
+    assert cache.hits == 1
+    layout = TokenLayout([text] * batch, [grid] * batch, [[]] * batch)
+    flops = FlopModel(model.config, model)
+    assert flops.forward(layout).total == pytest.approx(measured[0], rel=0.01)
+    assert flops.forward(layout, text_path=False).total == pytest.approx(measured[1], rel=0.01)
+    skipped = flops.forward(layout) - flops.forward(layout, text_path=False)
+    assert skipped.total == measured[0] - measured[1] > 0
+    assert skipped.attention_total == skipped.attention["context_refiner"] > 0
+    assert skipped.linear["double_stream"] == skipped.linear["single_stream"] == 0
+
+
 def test_released_forward_on_meta_4096_image_128_text_tokens():
     _, layout, measured, _ = _measure(RELEASED_CONFIG, "meta", 1, 128, (64, 64), [], lora_rank=64)
     counted = FlopModel(RELEASED_CONFIG, LoraSpec(rank=64)).forward(layout)

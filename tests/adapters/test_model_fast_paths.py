@@ -296,6 +296,77 @@ def test_instruction_lengths_are_checked_against_a_cpu_mask(model, freqs):
             model(targets, t, ins, freqs, mask.flip(1), refs)
 
 
+# ---------------------------------------------------------------------------- instruction cache
+
+
+def test_instruction_cache_reuses_the_text_path_bitwise_only_while_inputs_and_weights_hold(freqs):
+    """A rollout's later steps take the caption embedder and context refiner from its first step:
+    the same output bits, and a recompute whenever the features, the weights or the LoRA switch move."""
+    from boogu_adapters.lora import adapters_disabled, add_lora
+    from boogu_adapters.model.transformer import InstructionCache
+
+    net = randomize_parameters(BooguImageTransformer2DModel(**TINY_CONFIG).eval(), 3, std=0.1)
+    add_lora(net, rank=2, seed=0)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    targets, t, ins, mask, refs = make_batch(6, [5, 3], [(4, 4), (4, 4)], [None, [(2, 2)]], width=6)
+    lengths = [5, 3]
+    cache = InstructionCache()
+
+    def run(features, step, use_cache=True):
+        out = net(
+            targets,
+            t * step,
+            features,
+            freqs,
+            mask,
+            refs,
+            instruction_lengths=lengths,
+            instruction_cache=cache if use_cache else None,
+        )
+        return torch.stack(out)
+
+    with torch.no_grad():
+        first = run(ins, 1.0)
+        assert not net.last_text_path_reused and cache.hits == 0
+        for step in (0.5, 0.25):  # later denoising steps: another timestep, same features object
+            reused = run(ins, step)
+            assert net.last_text_path_reused
+            assert torch.equal(reused, run(ins, step, use_cache=False))
+        assert cache.hits == 2
+        assert not torch.equal(first, reused)  # the timestep still acts (the cache is not the output)
+        # Equal values in another tensor object: recomputed (the identity is the promise).
+        run(ins.clone(), 0.5)
+        assert not net.last_text_path_reused and cache.hits == 2
+        # An in-place change of the features, a weight update, the LoRA switched off: each recomputes.
+        ins_changed = ins.clone()
+        run(ins_changed, 0.5)
+        ins_changed.mul_(2.0)
+        changed = run(ins_changed, 0.5)
+        assert not net.last_text_path_reused and torch.equal(changed, run(ins_changed, 0.5, use_cache=False))
+        run(ins, 0.5)
+        refiner_weight = next(net.context_refiner.parameters())
+        refiner_weight.add_(0.01)
+        updated = run(ins, 0.5)
+        assert not net.last_text_path_reused and torch.equal(updated, run(ins, 0.5, use_cache=False))
+        run(ins, 0.5)
+        assert net.last_text_path_reused
+        with adapters_disabled(net):
+            base = run(ins, 0.5)
+            assert not net.last_text_path_reused and torch.equal(base, run(ins, 0.5, use_cache=False))
+        run(ins, 0.5)
+        assert not net.last_text_path_reused  # back on: the entry holds the base's tokens
+    # With autograd on the cache is neither read nor filled: the gradient must reach the LoRA.
+    hits = cache.hits
+    trained = run(ins, 0.5)
+    assert not net.last_text_path_reused and cache.hits == hits and trained.requires_grad
+    trained.square().mean().backward()
+    lora_a = next(p for n, p in net.context_refiner.named_parameters() if "lora_A" in n)
+    assert lora_a.grad is not None and lora_a.grad.abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------- regional compile
 
 

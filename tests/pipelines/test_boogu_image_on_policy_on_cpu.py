@@ -111,6 +111,44 @@ def test_same_request_same_weights_same_trajectory(lora_parts):
     assert torch.equal(a.latents, b.latents) and torch.equal(a.images, b.images) and a.window == b.window
 
 
+@pytest.mark.parametrize("records", [T2I, EDIT], ids=["t2i", "edit"])
+def test_the_engines_caches_change_no_number(lora_parts, records):
+    """Prompt batches kept by the encoder, and the text path of a rollout's first step reused by its
+    later ones: the trajectory is bitwise the one with both off, in each CFG mode and micro-batched."""
+    parts, model = lora_parts
+    request = RolloutRequest(
+        records,
+        group_size=3,
+        num_steps=4,
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        seed=5,
+        window=WindowPlan(kind="random", size=2, window_range=(0, 3)),
+    )
+    fields = ("latents", "log_prob", "mean", "std", "final_latents", "images")
+    for cfg_mode, micro in (("batched", 0), ("sequential", 0), ("batched", 4)):
+        plain = build_local_engine(
+            parts,
+            transformer=model,
+            cfg_mode=cfg_mode,
+            micro_batch_size=micro,
+            encode_cache=False,
+            cache_text_path=False,
+        )
+        cached = build_local_engine(parts, transformer=model, cfg_mode=cfg_mode, micro_batch_size=micro)
+        want = plain.generate(request)
+        assert plain.encode_prompts.cache is None and not model.last_text_path_reused
+        for _ in range(2):  # the second rollout's prompt batches come from the encoder's cache
+            got = cached.generate(request)
+            assert model.last_text_path_reused  # the last step ran on the first step's text path
+            for name in fields:
+                assert torch.equal(getattr(got, name), getattr(want, name)), (cfg_mode, micro, name)
+            assert torch.equal(got.conditioning.hidden_states, want.conditioning.hidden_states)
+        # positives and the negative: encoded by the first rollout, served to the second
+        assert (cached.encode_prompts.cache.misses, cached.encode_prompts.cache.hits) == (2, 2)
+
+
 def test_sync_weights_verifies_keys_and_values(lora_parts, tiny_checkpoint):
     parts, model = lora_parts
     # The engine that shares the trainer's module copies nothing: it checks it was handed that very

@@ -102,7 +102,8 @@ def test_a_remote_rollout_books_the_flops_the_local_engine_measures(kind, tiny_p
     """The vllm-omni worker's rollout FLOPs, booked from the trajectory's layout
     (`FlopMeter.book_remote_rollout`), equal what the FLOP meter's hooks measure when the local
     engine runs the same request: every step, the positive forward and, with CFG, the negative one
-    (its own prompt length, the same references)."""
+    (its own prompt length, the same references). The worker runs each forward whole, so the local
+    engine's reuse of the text path across steps (`RolloutTextCache`) is off for the comparison."""
     import io
 
     import numpy as np
@@ -122,7 +123,7 @@ def test_a_remote_rollout_books_the_flops_the_local_engine_measures(kind, tiny_p
             buffer, format="PNG"
         )
         records = [dataclasses.replace(r, ref_image=buffer.getvalue()) for r in records]
-    engine = build_local_engine(tiny_parts, max_sequence_length=256)
+    engine = build_local_engine(tiny_parts, max_sequence_length=256, cache_text_path=False)
     meter = FlopMeter(engine.transformer)
     try:
         traj = engine.generate(_request(records=records, guidance_scale=1.0 if "no-cfg" in kind else 2.0))

@@ -7,6 +7,9 @@ the live tensor bytes measured (same tracker, real CPU kernels) on the mid-size 
 from __future__ import annotations
 
 import dataclasses
+import platform
+import subprocess
+import sys
 import time
 
 import pytest
@@ -114,6 +117,56 @@ def test_flop_meter_books_rollout_and_training_forwards():
     assert meter.take()["perf/tflops"] == 0
     record = step_perf({"perf/tflops": 10.0}, 2.0, images=4, peak=20.0)
     assert record["perf/mfu"] == pytest.approx(0.25) and record["perf/tflops_per_image"] == 2.5
+
+
+def test_flop_meter_leaves_out_a_reused_text_path():
+    from boogu_adapters.model.transformer import InstructionCache
+
+    model = randomize_parameters(BooguImageTransformer2DModel(**TINY_CONFIG), 0)
+    model.requires_grad_(False)
+    meter = FlopMeter(model)
+    latents, t, instruct, freqs, mask = _inputs(model, 2, 6, (4, 4))
+    cache = InstructionCache()
+    booked = []
+    with torch.no_grad():
+        for step in (1.0, 0.5):  # two denoising steps of one rollout: the second reuses the text path
+            model(latents, t * step, instruct, freqs, mask, instruction_cache=cache)
+            booked.append(meter.take()["perf/tflops_rollout"])
+    flops = FlopModel(model.config)
+    assert booked[0] == pytest.approx(flops.forward(model.last_layout).total / 1e12)
+    assert booked[1] == pytest.approx(flops.forward(model.last_layout, text_path=False).total / 1e12)
+    assert booked[1] < booked[0]
+    meter.close()
+
+
+# Page faults of the last of 8 rounds of four tensors of 3 to 40 MiB written (every page touched) and
+# freed, in a fresh process. With glibc's defaults they are mmapped or trimmed off the heap and
+# faulted in again every round; kept, the heap grows over the first rounds and is then reused.
+_FAULT_PROBE = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from boogu_trainer.host_memory import keep_freed_host_memory
+    assert keep_freed_host_memory()
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    tensors = [torch.ones(mib * 2**18) for mib in (8, 24, 40, 3)]
+    del tensors
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(faults)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_kept_host_memory_is_not_faulted_in_again():
+    def faults(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", _FAULT_PROBE, mode], capture_output=True, text=True, check=True
+        )
+        return int(run.stdout.split()[-1])
+
+    default, kept = faults("default"), faults("keep")
+    # 75 MiB a round: up to ~19000 pages of 4 KiB by default (fewer with transparent huge pages).
+    assert default > 0 and kept * 20 < default, (default, kept)
 
 
 def _measured(config, *, rank, checkpointing, batch, grid, train, reference_images=0):

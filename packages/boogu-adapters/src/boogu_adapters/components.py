@@ -12,7 +12,11 @@ import torch
 from PIL import Image
 
 from boogu_adapters.encoding import (
+    DEFAULT_MAX_SEQUENCE_LENGTH,
+    PromptCache,
     VlmView,
+    _module_device,
+    _module_dtype,
     count_prompt_tokens,
     decode_latents,
     encode_prompts,
@@ -28,6 +32,10 @@ from boogu_protocol import MAX_SEQUENCE_LENGTH
 from boogu_schedule.sampling import reference_generator
 
 ROPE_THETA = 10000.0
+PROMPT_CACHE_ENTRIES = 64
+"""Encoded prompt batches a `QwenPromptEncoder` keeps by default (0 turns the cache off)."""
+PROMPT_CACHE_BYTES = 256 * 2**20
+"""Most bytes of features those batches may hold (on the encoder's device)."""
 
 
 class QwenPromptEncoder:
@@ -37,6 +45,17 @@ class QwenPromptEncoder:
     whole prompt by default, and silently cutting it (the reference's defect) changes the task.
     ``vlm_view`` is how an edit's reference reaches the processor (:data:`encoding.VlmView`);
     :meth:`__call__` and :meth:`token_counts` both follow it.
+
+    The text encoder is frozen, so a batch encoded once need not be encoded again: the encoder keeps
+    the last ``cache_entries`` batches (at most ``cache_bytes`` bytes; :class:`encoding.PromptCache`),
+    each under the whole batch: its instructions and reference images in order, the chat template,
+    the view, the encoder's weights (storage and in-place version of every parameter), device and
+    dtype. A rollout's negative prompt (the same ``[""]`` every step) and an evaluation's prompt set
+    are encoded once. The key is the whole batch, not each prompt, because a prompt's features
+    depend, in their last bits, on the padded length of the batch it was encoded in (matrix shapes
+    change the kernels' summation order): a hit returns exactly the tensors a fresh encode of the
+    same batch computes, so results never depend on what was encoded before (a resumed run encodes
+    as the original did).
     """
 
     def __init__(
@@ -47,6 +66,8 @@ class QwenPromptEncoder:
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         num_feature_layers: int = 1,
         vlm_view: VlmView = "upstream",
+        cache_entries: int = PROMPT_CACHE_ENTRIES,
+        cache_bytes: int = PROMPT_CACHE_BYTES,
     ):
         if num_feature_layers != 1:
             raise NotImplementedError(
@@ -57,15 +78,33 @@ class QwenPromptEncoder:
         if vlm_view not in get_args(VlmView):
             raise ValueError(f"vlm_view must be one of {get_args(VlmView)}, got {vlm_view!r}")
         self.vlm_view: VlmView = vlm_view
+        self.num_feature_layers = num_feature_layers
+        if cache_entries < 0:
+            raise ValueError(f"cache_entries must be >= 0 (0 = no cache), got {cache_entries}")
+        self.cache = PromptCache(cache_entries, cache_bytes) if cache_entries else None
+        """The encoded batches kept (None: every call encodes)."""
         self.seconds = 0.0
 
     def __call__(self, instructions: Sequence[str], images: Sequence[bytes | None] | None):
         t0 = time.perf_counter()
-        pil = None if images is None else [None if b is None else [_decode_image(b)] for b in images]
-        embeds = encode_prompts(
-            self.text_encoder, self.processor, list(instructions), pil, vlm_view=self.vlm_view
-        )
-        lengths = embeds.attention_mask.sum(dim=1)
+        key = None if self.cache is None else self.cache_key(instructions, images)
+        cached = None if key is None else self.cache.get(key)
+        if cached is None:
+            pil = None if images is None else [None if b is None else [_decode_image(b)] for b in images]
+            embeds = encode_prompts(
+                self.text_encoder,
+                self.processor,
+                list(instructions),
+                pil,
+                max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH,
+                truncate=False,
+                num_feature_layers=self.num_feature_layers,
+                vlm_view=self.vlm_view,
+            )
+            hidden, mask = embeds.hidden_states, embeds.attention_mask
+        else:
+            hidden, mask = cached
+        lengths = mask.sum(dim=1)
         too_long = (lengths > self.max_sequence_length).nonzero().flatten().tolist()
         if too_long:
             i = too_long[0]
@@ -73,8 +112,25 @@ class QwenPromptEncoder:
                 f"prompt {instructions[i][:60]!r} has {int(lengths[i])} tokens, more than "
                 f"model.max_sequence_length={self.max_sequence_length}"
             )
+        if cached is None and key is not None:
+            self.cache.put(key, (hidden, mask))
         self.seconds += time.perf_counter() - t0
-        return embeds.hidden_states, embeds.attention_mask
+        return hidden, mask
+
+    def cache_key(self, instructions: Sequence[str], images: Sequence[bytes | None] | None) -> tuple:
+        """Everything the features of this batch depend on (see the class docstring)."""
+        encoder = self.text_encoder
+        no_images = images is None or all(b is None for b in images)
+        return (
+            tuple("" if text is None else text for text in instructions),  # encode_prompts: None is ""
+            None if no_images else tuple(images),
+            getattr(self.processor, "chat_template", None),
+            self.vlm_view,
+            self.num_feature_layers,
+            _module_device(encoder),
+            _module_dtype(encoder),
+            tuple((p.data_ptr(), p._version) for p in encoder.parameters()),
+        )
 
     def token_counts(self, instructions: Sequence[str], images: Sequence[bytes | None] | None) -> list[int]:
         """The token count each prompt has in :meth:`__call__` (its attention mask's sum), without
@@ -154,10 +210,16 @@ def build_local_engine(
     device: torch.device | str | None = None,
     edit_vlm_view: VlmView = "upstream",
     micro_batch_size: int = 0,
+    encode_cache: bool = True,
+    cache_text_path: bool = True,
 ) -> LocalRolloutEngine:
     """A :class:`LocalRolloutEngine` over the parts (``transformer`` overrides ``parts.transformer``,
     e.g. the LoRA-injected module the trainer trains; ``edit_vlm_view`` is the prompt encoder's
-    ``vlm_view``; ``micro_batch_size`` caps the latents per transformer call and VAE decode)."""
+    ``vlm_view``; ``micro_batch_size`` caps the latents per transformer call and VAE decode).
+
+    ``encode_cache`` keeps encoded prompt batches (`QwenPromptEncoder`), ``cache_text_path`` runs the
+    transformer's text path once per rollout (`LocalRolloutEngine`); neither changes a result, both
+    are there to be switched off for a comparison (``benchmarks/demo_throughput.py``)."""
     model = transformer if transformer is not None else parts.transformer
     return LocalRolloutEngine(
         model,
@@ -167,6 +229,7 @@ def build_local_engine(
             max_sequence_length=max_sequence_length,
             num_feature_layers=num_instruction_feature_layers(model),
             vlm_view=edit_vlm_view,
+            cache_entries=PROMPT_CACHE_ENTRIES if encode_cache else 0,
         ),
         codec=VaeCodec(parts.vae, parts.vae_scale_factor),
         schedule_config=parts.schedule_config,
@@ -176,4 +239,5 @@ def build_local_engine(
         device=device,
         shares_module=transformer is not None,
         micro_batch_size=micro_batch_size,
+        cache_text_path=cache_text_path,
     )

@@ -25,7 +25,8 @@ below refer to that page):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -45,6 +46,7 @@ __all__ = [
     "MAX_VLM_REFERENCE_PIXELS",
     "MAX_VLM_REFERENCE_SIDE",
     "SIZE_MULTIPLE",
+    "PromptCache",
     "PromptEmbeds",
     "VlmView",
     "count_prompt_tokens",
@@ -97,6 +99,62 @@ class PromptEmbeds:
     @property
     def batch_size(self) -> int:
         return int(self.attention_mask.shape[0])
+
+
+class PromptCache:
+    """A bounded LRU of encoded prompt batches: ``key -> tensors``, at most ``max_entries`` entries and
+    ``max_bytes`` bytes of tensors (least recently used first out; a batch larger than ``max_bytes``
+    is not kept).
+
+    The caller's key must hold everything the tensors depend on (`QwenPromptEncoder` keys on the
+    whole batch of instructions and images, the template, the encoder's weights, device and dtype).
+    A hit returns the stored tensors themselves: read them, never modify them in place.
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[Hashable, tuple[tuple[torch.Tensor, ...], int]] = OrderedDict()
+        self.bytes = 0
+        """Bytes of the tensors held now."""
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def get(self, key: Hashable) -> tuple[torch.Tensor, ...] | None:
+        """The tensors stored under ``key`` (now the most recently used), or None (a miss)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry[0]
+
+    def put(self, key: Hashable, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Keep ``tensors`` under ``key``, then drop least recently used entries down to the bounds."""
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if key in self._entries:
+            self.bytes -= self._entries.pop(key)[1]
+        if size > self.max_bytes:
+            return
+        self._entries[key] = (tensors, size)
+        self.bytes += size
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
 
 
 def num_instruction_feature_layers(transformer: Any) -> int:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
+from boogu_adapters.model.transformer import InstructionCache
 from boogu_adapters.types import Conditioning
 from boogu_schedule import Sampler, SdeStep, boogu_time, text_cfg, uses_cfg
 from boogu_schedule.sampling import sde_transition
@@ -54,19 +56,101 @@ def _ref_inputs(refs: Sequence[torch.Tensor | None] | None, dtype: torch.dtype) 
 
 
 @functools.cache
-def _takes_lengths(cls: type) -> bool:
-    """Whether ``cls.forward`` accepts host-side ``instruction_lengths`` (our port does; upstream's does not)."""
-    return "instruction_lengths" in inspect.signature(cls.forward).parameters
+def _takes_keyword(cls: type, name: str) -> bool:
+    """Whether ``cls.forward`` accepts the keyword ``name``: ``instruction_lengths`` and
+    ``instruction_cache`` are our port's (upstream's class has neither)."""
+    return name in inspect.signature(cls.forward).parameters
 
 
-def _forward(transformer, x, t, hidden, mask, refs, freqs_cis, lengths=None) -> torch.Tensor:
+def _forward(transformer, x, t, hidden, mask, refs, freqs_cis, lengths=None, cache=None) -> torch.Tensor:
     extra = {}
-    if lengths is not None and _takes_lengths(type(transformer)):
+    if lengths is not None and _takes_keyword(type(transformer), "instruction_lengths"):
         extra["instruction_lengths"] = lengths  # the model then never reads the mask back to the host
+    if cache is not None and _takes_keyword(type(transformer), "instruction_cache"):
+        extra["instruction_cache"] = cache
     out = transformer(x, t, hidden, freqs_cis, mask, ref_image_hidden_states=refs, return_dict=False, **extra)
     if isinstance(out, tuple):  # canonical classes that return tuples
         out = out[0]
     return getattr(out, "sample", out)
+
+
+Branch = Literal["positive", "negative", "both"]
+"""Which prompt features a forward takes: the positive ones, the negative ones, or both stacked
+(batched CFG: positive rows first, each side right-padded to the longer one)."""
+
+
+@dataclass(frozen=True)
+class _ForwardInputs:
+    """The transformer's conditioning inputs for one forward (see :func:`_branch_inputs`)."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor
+    refs: list | None
+    lengths: tuple[int, ...] | None
+
+
+def _branch_inputs(
+    cond: Conditioning, branch: Branch, dtype: torch.dtype, refs: list | None
+) -> _ForwardInputs:
+    """The inputs of ``branch``; ``refs`` (``_ref_inputs`` of ``cond``) is shared by both branches."""
+    if branch == "positive":
+        return _ForwardInputs(cond.hidden_states.to(dtype), cond.attention_mask, refs, cond.lengths)
+    neg_hidden = cond.negative_hidden_states.to(dtype)
+    if branch == "negative":
+        return _ForwardInputs(neg_hidden, cond.negative_attention_mask, refs, cond.negative_lengths)
+    # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
+    hidden = cond.hidden_states.to(dtype)
+    length = max(hidden.shape[1], neg_hidden.shape[1])
+    h_pos, m_pos = pad_features(hidden, cond.attention_mask, length)
+    h_neg, m_neg = pad_features(neg_hidden, cond.negative_attention_mask, length)
+    lengths, neg_lengths = cond.lengths, cond.negative_lengths
+    return _ForwardInputs(
+        torch.cat([h_pos, h_neg]),
+        torch.cat([m_pos, m_neg]),
+        None if refs is None else refs + refs,
+        None if lengths is None or neg_lengths is None else lengths + neg_lengths,
+    )
+
+
+class RolloutTextCache:
+    """What the denoising steps of one rollout share: per micro-batch and branch, the transformer's
+    conditioning inputs built from the rollout's `Conditioning` (the CFG concatenation, the dtype
+    casts) and the transformer's `InstructionCache` over them.
+
+    Passed to :func:`boogu_velocity` (``text_cache``) at every step of one rollout, it hands the
+    transformer the same feature tensors each step, so our port runs the caption embedder and the
+    context refiner once per rollout instead of once per step (the text path sees neither the
+    timestep nor the latents). Results are bitwise those without it: the inputs are built by the
+    same code from the same tensors, and the port reuses its text path only while the features and
+    its weights are unchanged (`InstructionCache`). One cache serves one conditioning, without
+    autograd (a rollout); the training recomputation never takes one.
+    """
+
+    def __init__(self) -> None:
+        self.cond: Conditioning | None = None
+        self._parts: dict[tuple[Any, ...], tuple[Conditioning, list | None]] = {}
+        self._entries: dict[tuple[Any, ...], tuple[_ForwardInputs, InstructionCache]] = {}
+
+    def entry(
+        self, cond: Conditioning, rows: tuple[int, int] | None, branch: Branch, dtype: torch.dtype
+    ) -> tuple[_ForwardInputs, InstructionCache]:
+        """The inputs of ``branch`` for the rows ``rows`` (None: all) of ``cond``, and the
+        `InstructionCache` of the forwards that take them; built on first use."""
+        if self.cond is None:
+            self.cond = cond
+        elif cond is not self.cond:
+            raise ValueError(
+                "a RolloutTextCache serves the steps of one rollout: it was given another conditioning"
+            )
+        hit = self._entries.get((rows, branch, dtype))
+        if hit is None:
+            part = self._parts.get((rows, dtype))
+            if part is None:  # the rows and their reference inputs, one list for both branches
+                rows_cond = cond if rows is None else cond.slice(*rows)
+                part = self._parts[(rows, dtype)] = (rows_cond, _ref_inputs(rows_cond.ref_latents, dtype))
+            inputs = _branch_inputs(part[0], branch, dtype, part[1])
+            hit = self._entries[(rows, branch, dtype)] = (inputs, InstructionCache())
+        return hit
 
 
 def boogu_velocity(
@@ -79,6 +163,7 @@ def boogu_velocity(
     *,
     cfg_mode: CfgMode = "batched",
     micro_batch_size: int = 0,
+    text_cache: RolloutTextCache | None = None,
 ) -> torch.Tensor:
     """Guided Boogu velocity ``x0 - eps`` as float32, before negation.
 
@@ -90,11 +175,19 @@ def boogu_velocity(
         micro_batch_size: at most this many latents per transformer call (consecutive rows;
             0 = all). Without gradients only (a RuntimeError under autograd): a training step splits
             its rows itself, so that each micro-batch's activations are freed by its own backward.
+        text_cache: one :class:`RolloutTextCache` for every step of a rollout over ``cond`` (without
+            autograd): the text path then runs once per rollout; None builds everything per call.
     """
     if latents.dtype != torch.float32 or sigma.dtype != torch.float32:
         raise TypeError(
             f"boogu_velocity: latents and sigma must be float32, got {latents.dtype}, {sigma.dtype}"
         )
+    if uses_cfg(guidance_scale) and cond.negative_hidden_states is None:
+        raise ValueError(
+            f"guidance_scale={guidance_scale} needs negative prompt features; the conditioning has none"
+        )
+    if uses_cfg(guidance_scale) and cfg_mode not in ("batched", "sequential"):
+        raise ValueError(f"cfg_mode must be 'batched' or 'sequential', got {cfg_mode!r}")
     batch = latents.shape[0]
     if 0 < micro_batch_size < batch:
         if torch.is_grad_enabled():
@@ -105,57 +198,59 @@ def boogu_velocity(
             )
         return torch.cat(
             [
-                boogu_velocity(
+                _velocity(
                     transformer,
                     latents[i : i + micro_batch_size],
                     sigma[i : i + micro_batch_size],
-                    cond.slice(i, i + micro_batch_size),
+                    cond,
+                    (i, min(i + micro_batch_size, batch)),
                     guidance_scale,
                     freqs_cis,
-                    cfg_mode=cfg_mode,
+                    cfg_mode,
+                    text_cache,
                 )
                 for i in range(0, batch, micro_batch_size)
             ]
         )
+    return _velocity(transformer, latents, sigma, cond, None, guidance_scale, freqs_cis, cfg_mode, text_cache)
+
+
+def _velocity(
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: Conditioning,
+    rows: tuple[int, int] | None,
+    guidance_scale: float,
+    freqs_cis: Sequence[torch.Tensor],
+    cfg_mode: CfgMode,
+    text_cache: RolloutTextCache | None,
+) -> torch.Tensor:
+    """`boogu_velocity` of the rows ``rows`` of ``cond`` (None: all of them)."""
     dtype = model_dtype(transformer)
     x = latents.to(dtype)
     t = boogu_time(sigma).to(dtype)  # (B,) Boogu time: 0 = noise, 1 = data
-    hidden = cond.hidden_states.to(dtype)
-    refs = _ref_inputs(cond.ref_latents, dtype)
-    use_cfg = uses_cfg(guidance_scale)
-    if use_cfg and cond.negative_hidden_states is None:
-        raise ValueError(
-            f"guidance_scale={guidance_scale} needs negative prompt features; the conditioning has none"
+
+    if text_cache is None:
+        part = cond if rows is None else cond.slice(*rows)
+        refs = _ref_inputs(part.ref_latents, dtype)  # one list for both branches
+
+    def forward(branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if text_cache is None:
+            inputs, cache = _branch_inputs(part, branch, dtype, refs), None
+        else:
+            inputs, cache = text_cache.entry(cond, rows, branch, dtype)
+        return _forward(
+            transformer, x, t, inputs.hidden, inputs.mask, inputs.refs, freqs_cis, inputs.lengths, cache
         )
 
-    lengths, neg_lengths = cond.lengths, cond.negative_lengths
-    if not use_cfg:
-        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis, lengths)
-        return v_pos.float()
-
-    neg_hidden = cond.negative_hidden_states.to(dtype)
-    neg_mask = cond.negative_attention_mask
-    # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
+    if not uses_cfg(guidance_scale):
+        return forward("positive", x, t).float()
     if cfg_mode == "batched":
-        length = max(hidden.shape[1], neg_hidden.shape[1])
-        h_pos, m_pos = pad_features(hidden, cond.attention_mask, length)
-        h_neg, m_neg = pad_features(neg_hidden, neg_mask, length)
-        both = _forward(
-            transformer,
-            torch.cat([x, x]),
-            torch.cat([t, t]),
-            torch.cat([h_pos, h_neg]),
-            torch.cat([m_pos, m_neg]),
-            None if refs is None else refs + refs,
-            freqs_cis,
-            None if lengths is None or neg_lengths is None else lengths + neg_lengths,
-        )
-        v_pos, v_neg = both.float().chunk(2)
-    elif cfg_mode == "sequential":
-        v_pos = _forward(transformer, x, t, hidden, cond.attention_mask, refs, freqs_cis, lengths).float()
-        v_neg = _forward(transformer, x, t, neg_hidden, neg_mask, refs, freqs_cis, neg_lengths).float()
+        v_pos, v_neg = forward("both", torch.cat([x, x]), torch.cat([t, t])).float().chunk(2)
     else:
-        raise ValueError(f"cfg_mode must be 'batched' or 'sequential', got {cfg_mode!r}")
+        v_pos = forward("positive", x, t).float()
+        v_neg = forward("negative", x, t).float()
     return text_cfg(v_pos, v_neg, guidance_scale)
 
 

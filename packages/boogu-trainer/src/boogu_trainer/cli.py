@@ -195,6 +195,10 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     dist = DistEnv.from_environment(
         config.distributed.backend, config.model.device, config.distributed.timeout_s
     )
+    if dist.device.type == "cpu":
+        from boogu_trainer.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()  # no page faults for every activation of every step (host_memory.py)
     main_rank = dist.is_main
     bar = None
     trainer = None

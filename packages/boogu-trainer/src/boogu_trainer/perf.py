@@ -302,7 +302,9 @@ class FlopMeter:
             self._train += flops
             self._train_forwards += 1
         else:
-            self._rollout += model.forward(layout).total
+            # A rollout's later denoising steps reuse the text path of its first (InstructionCache).
+            reused = bool(getattr(unwrap_transformer(module), "last_text_path_reused", False))
+            self._rollout += model.forward(layout, text_path=not reused).total
 
     def book_remote_rollout(self, trajectory: Any) -> None:
         """Book the model FLOPs of a rollout another process ran (the vllm-omni worker), from the

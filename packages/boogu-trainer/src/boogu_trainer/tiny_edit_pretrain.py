@@ -44,7 +44,6 @@ from boogu_data import PromptRecord
 from boogu_data.atomic import commit_folder, stage_folder
 from boogu_data.scene_edits import SceneEdit, generate_edits
 from boogu_data.scenes import render, render_objects
-from boogu_schedule import boogu_sigmas
 from boogu_trainer.rewards.scene_edit import scene_edit_dense, scene_edit_exact
 from boogu_trainer.tiny_pretrain import (
     PretrainConfig,
@@ -53,6 +52,7 @@ from boogu_trainer.tiny_pretrain import (
     ode_samples,
     report_header,
     train_transformer,
+    training_sigmas,
     verdict_grid,
 )
 
@@ -226,7 +226,7 @@ def edit_pretrain(
     targets = _latents(parts.vae, _images([e.target() for e in train], size))
     references = _latents(parts.vae, _images([e.source.objects for e in train], size))
     hidden, mask = encode_edits(parts, train, size)
-    sigma_levels = boogu_sigmas(parts.schedule_config, 1000)[:-1]
+    sigma_levels = training_sigmas(parts.schedule_config)
     times["data"] = time.perf_counter() - t
     log(
         f"pairs: {len(train)} train ({hidden.shape[1]} instruction tokens with the reference), "

@@ -85,7 +85,17 @@ from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forwa
 from boogu_schedule.sde import Sampler
 from boogu_trainer.rewards.scene import scene_dense, scene_exact
 
-__all__ = ["PretrainConfig", "evaluate_checkpoint", "evaluation_scenes", "main", "pretrain"]
+__all__ = [
+    "FlowBatch",
+    "PretrainConfig",
+    "draw_flow_batch",
+    "evaluate_checkpoint",
+    "evaluation_scenes",
+    "flow_matching_loss",
+    "main",
+    "pretrain",
+    "training_sigmas",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +326,81 @@ def encode_captions(
     return torch.cat([h for h, _ in padded]), torch.cat([m for _, m in padded])
 
 
+def training_sigmas(schedule_config: BooguScheduleConfig) -> torch.Tensor:
+    """The noise levels the transformer trains on: the checkpoint's schedule at 1000 levels, the last
+    (``sigma = 0``, clean data) left out. (1000,) float32."""
+    return boogu_sigmas(schedule_config, 1000)[:-1]
+
+
+@dataclass(frozen=True)
+class FlowBatch:
+    """One flow-matching mini-batch of `draw_flow_batch` (B rows)."""
+
+    rows: torch.Tensor
+    """(B,) int64: the rows of the latents (and of their captions) drawn, with replacement."""
+    x0: torch.Tensor
+    """(B, C, h, w): the clean latents ``latents[rows]``."""
+    noise: torch.Tensor
+    """(B, C, h, w): standard normal noise ``eps``."""
+    sigma: torch.Tensor
+    """(B,) float32: each row's noise level, uniform over the levels given."""
+    text_rows: torch.Tensor
+    """(B,) int64: the feature row each sample is conditioned on: ``rows``, or the empty negative's
+    row where the caption is dropped."""
+
+
+def draw_flow_batch(
+    latents: torch.Tensor,
+    batch_size: int,
+    sigma_levels: torch.Tensor,
+    cond_dropout: float,
+    empty_row: int,
+    generator: torch.Generator,
+) -> FlowBatch:
+    """Draw a flow-matching batch from ``generator``, in a fixed order (rows, noise, levels, dropout):
+    rows of ``latents`` uniformly with replacement, a level of ``sigma_levels`` per row, and the caption
+    replaced by the empty negative (feature row ``empty_row``) with probability ``cond_dropout``."""
+    rows = torch.randint(0, latents.shape[0], (batch_size,), generator=generator, device=generator.device)
+    x0 = latents[rows]
+    noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+    sigma = sigma_levels[
+        torch.randint(0, sigma_levels.numel(), (batch_size,), generator=generator, device=generator.device)
+    ]
+    dropped = torch.rand(batch_size, generator=generator, device=generator.device) < cond_dropout
+    text_rows = torch.where(dropped, torch.full_like(rows, empty_row), rows)
+    return FlowBatch(rows=rows, x0=x0, noise=noise, sigma=sigma, text_rows=text_rows)
+
+
+def flow_matching_loss(
+    model: torch.nn.Module,
+    batch: FlowBatch,
+    hidden: torch.Tensor,
+    mask: torch.Tensor,
+    freqs: Sequence[torch.Tensor],
+    references: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The pretraining's objective on one batch (docs/upstream-model.md §8, DESIGN.md §4.8): the
+    transformer sees ``x_t = (1 - sigma) x0 + sigma eps`` at Boogu time ``t = 1 - sigma`` and is
+    regressed onto the velocity ``x0 - eps``; mean squared error, in float32. ``hidden``/``mask``:
+    right-padded caption features indexed by ``batch.text_rows``; ``references``: one reference
+    latent per latent row (an Edit build)."""
+    text_mask = mask[batch.text_rows]
+    length = int(text_mask.sum(1).max())  # right-padded: trim the columns no row uses
+    velocity = _forward(
+        model,
+        forward_noise(batch.x0, batch.noise, batch.sigma),
+        1.0 - batch.sigma,
+        hidden[batch.text_rows, :length],
+        text_mask[:, :length],
+        None if references is None else [[references[r]] for r in batch.rows.tolist()],
+        freqs,
+        text_mask.sum(1).tolist(),
+    )
+    # Float32 whatever the transformer's dtype (DESIGN.md §4.8): the squared error of a bf16 velocity
+    # would round away the small differences the gradient is made of.
+    return (velocity.float() - flow_target(batch.x0, batch.noise)).pow(2).mean()
+
+
 def train_transformer(
     model: torch.nn.Module,
     latents: torch.Tensor,
@@ -344,33 +429,10 @@ def train_transformer(
     for step in range(config.dit_steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config.dit_steps, config.dit_lr, config.dit_warmup)
-        rows = torch.randint(
-            0, latents.shape[0], (config.dit_batch,), generator=generator, device=generator.device
+        batch = draw_flow_batch(
+            latents, config.dit_batch, sigma_levels, config.cond_dropout, empty, generator
         )
-        x0 = latents[rows]
-        noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        sigma = sigma_levels[
-            torch.randint(
-                0, sigma_levels.numel(), (config.dit_batch,), generator=generator, device=generator.device
-            )
-        ]
-        dropped = (
-            torch.rand(config.dit_batch, generator=generator, device=generator.device) < config.cond_dropout
-        )
-        text_rows = torch.where(dropped, torch.full_like(rows, empty), rows)
-        text_mask = mask[text_rows]
-        length = int(text_mask.sum(1).max())  # right-padded: trim the columns no row uses
-        velocity = _forward(
-            model,
-            forward_noise(x0, noise, sigma),
-            1.0 - sigma,
-            hidden[text_rows, :length],
-            text_mask[:, :length],
-            None if references is None else [[references[r]] for r in rows.tolist()],
-            freqs,
-            text_mask.sum(1).tolist(),
-        )
-        loss = (velocity.float() - flow_target(x0, noise)).pow(2).mean()
+        loss = flow_matching_loss(model, batch, hidden, mask, freqs, references)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -561,7 +623,7 @@ def pretrain(
         hidden, mask = encode_captions(parts, [s.caption() for s in train])
         scheduler = {**RELEASED_SCHEDULER_CONFIG, "seq_len": config.schedule_seq_len}
         parts = dataclasses.replace(parts, schedule_config=BooguScheduleConfig.from_dict(scheduler))
-        sigma_levels = boogu_sigmas(parts.schedule_config, 1000)[:-1]
+        sigma_levels = training_sigmas(parts.schedule_config)
         times["captions"] = time.perf_counter() - t
         parts = dataclasses.replace(parts, vae=vae)
 

@@ -136,6 +136,9 @@ class Trainer:
             device=self.device,
             edit_vlm_view=config.model.edit_vlm_view,
             micro_batch_size=config.rollout.micro_batch_size,
+            # Under FSDP2 a reused text path skips its blocks' all-gathers: every rank would have to
+            # reuse alike, step for step. It saves little at the sizes that shard; keep it to one rank.
+            cache_text_path=not self.dist.enabled,
         )
         """The in-process engine: the encoders and RoPE tables training uses, and the rollouts unless
         ``rollout.engine`` names another engine."""

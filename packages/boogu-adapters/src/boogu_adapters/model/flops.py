@@ -76,6 +76,8 @@ BLOCK_GROUPS: tuple[str, ...] = (
 timestep MLP, the caption embedder and both patch embedders."""
 
 _CHECKPOINTED = frozenset(BLOCK_GROUPS[1:-1])
+_TEXT_PATH_LINEARS = frozenset({"time_caption_embed.caption_embedder.1"})
+"""With the ``context_refiner`` group: what a forward that reuses its text path skips."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,14 @@ class FlopBreakdown:
             mine, theirs, dest = getattr(self, kind), getattr(other, kind), getattr(out, kind)
             for key in BLOCK_GROUPS:
                 dest[key] = mine[key] + theirs[key]
+        return out
+
+    def __sub__(self, other: FlopBreakdown) -> FlopBreakdown:
+        out = FlopBreakdown()
+        for kind in ("linear", "attention", "lora"):
+            mine, theirs, dest = getattr(self, kind), getattr(other, kind), getattr(out, kind)
+            for key in BLOCK_GROUPS:
+                dest[key] = mine[key] - theirs[key]
         return out
 
     def scaled(self, factor: int) -> FlopBreakdown:
@@ -418,16 +428,23 @@ class FlopModel:
         self._cache: dict[tuple[Any, ...], tuple[FlopBreakdown, ...]] = {}
 
     def _sample(self, key: tuple[int, int, tuple[int, ...]]) -> tuple[FlopBreakdown, ...]:
-        """(forward, backward at 2x attention, backward at 2.5x attention, recompute) of one sample."""
+        """(forward, backward at 2x attention, backward at 2.5x attention, recompute, the forward's
+        text path) of one sample."""
         cached = self._cache.get(key)
         if cached is not None:
             return cached
         fwd, bwd, bwd_fused, rec = FlopBreakdown(), FlopBreakdown(), FlopBreakdown(), FlopBreakdown()
+        text = FlopBreakdown()
         d = self.dims
         for op in _sample_ops(d, self.ranks, *key):
+            on_text_path = op.group == "context_refiner" or (
+                isinstance(op, _Linear) and op.name in _TEXT_PATH_LINEARS
+            )
             if isinstance(op, _Attention):
                 flops = 4 * op.length * op.length * d.heads * d.head_dim  # Q·Kᵀ + P·V
                 fwd.attention[op.group] += flops
+                if on_text_path:
+                    text.attention[op.group] += flops
                 if op.needs_grad:
                     bwd.attention[op.group] += 2 * flops
                     bwd_fused.attention[op.group] += 5 * flops // 2
@@ -439,6 +456,9 @@ class FlopModel:
             lora = 2 * rank * (op.fan_in + op.fan_out) * op.tokens
             fwd.linear[op.group] += base
             fwd.lora[op.group] += lora
+            if on_text_path:
+                text.linear[op.group] += base
+                text.lora[op.group] += lora
             if op.input_grad:
                 bwd.linear[op.group] += base
             if rank:
@@ -451,7 +471,7 @@ class FlopModel:
         for src in (bwd,):
             bwd_fused.linear.update(src.linear)
             bwd_fused.lora.update(src.lora)
-        result = (fwd, bwd, bwd_fused, rec)
+        result = (fwd, bwd, bwd_fused, rec, text)
         self._cache[key] = result
         return result
 
@@ -461,9 +481,14 @@ class FlopModel:
             total = total + self._sample(_sample_key(layout, b))[index]
         return total
 
-    def forward(self, layout: Any) -> FlopBreakdown:
-        """FLOPs of one forward over ``layout`` (a TokenLayout), summed over its samples."""
-        return self._sum(layout, 0)
+    def forward(self, layout: Any, *, text_path: bool = True) -> FlopBreakdown:
+        """FLOPs of one forward over ``layout`` (a TokenLayout), summed over its samples.
+
+        ``text_path=False``: a forward that reused its caption embedding and context refiner
+        (``InstructionCache``), which therefore did not compute them.
+        """
+        total = self._sum(layout, 0)
+        return total if text_path else total - self._sum(layout, 4)
 
     def backward(self, layout: Any, *, attention_recompute: bool = False) -> FlopBreakdown:
         """FLOPs of the LoRA training backward of that forward (base weights frozen)."""
@@ -485,7 +510,7 @@ class FlopModel:
 
     def sample_totals(self, text: int, target: int, refs: Sequence[int] = ()) -> tuple[int, int, int]:
         """(forward, backward, recompute) totals of one sample given token counts; cached."""
-        fwd, bwd, _, rec = self._sample((int(text), int(target), tuple(int(r) for r in refs)))
+        fwd, bwd, _, rec, _ = self._sample((int(text), int(target), tuple(int(r) for r in refs)))
         return fwd.total, bwd.total, rec.total
 
 

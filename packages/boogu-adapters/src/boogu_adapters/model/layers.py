@@ -217,6 +217,9 @@ class CombinedTimestepCaptionEmbedding(nn.Module):
     def forward(
         self, timestep: torch.Tensor, instruction_hidden_states: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.timestep_embedding(timestep, dtype), self.caption_embedder(instruction_hidden_states)
+
+    def timestep_embedding(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``temb`` (B, T) alone (a forward that reuses its instruction tokens needs only this)."""
         # The sinusoid is float32 and is rounded to the latents' dtype before the MLP (§3.5).
-        temb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
-        return temb, self.caption_embedder(instruction_hidden_states)
+        return self.timestep_embedder(self.time_proj(timestep).to(dtype))
