@@ -129,7 +129,8 @@ def test_init_signature_defaults_match_upstream():
     # Upstream's positional signature, unchanged; ours adds only keyword-only extras.
     forward = [k for k, p in forward_params.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     extras = [k for k, p in forward_params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert extras == ["instruction_lengths"] and forward_params["instruction_lengths"].default is None
+    assert extras == ["instruction_lengths", "instruction_cache"]
+    assert all(forward_params[k].default is None for k in extras)
     assert forward == [
         "self",
         "hidden_states",
