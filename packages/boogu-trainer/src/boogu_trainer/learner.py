@@ -161,9 +161,7 @@ class Learner:
         acc: dict[str, list[torch.Tensor | float]] = defaultdict(list)
         all_finite, weights_finite = True, True
         self.counters["nonfinite_reward_samples"] += int((~batch.finite).sum())
-        advantages = torch.where(
-            batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages)
-        )
+        advantages = self._usable_advantages(batch)
         if not bool(batch.global_advantages.finite.any()):
             return self.finish(acc, finite=False)
         host_advantages = advantages.cpu()  # once per update, before the loops
@@ -198,6 +196,10 @@ class Learner:
                 break
         return self.finish(acc, finite=all_finite, weights_finite=weights_finite)
 
+    def _usable_advantages(self, batch: ScoredBatch) -> torch.Tensor:
+        """(B,) the batch's advantages, 0 where the reward was not finite (those rows get no gradient)."""
+        return torch.where(batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages))
+
     def gradient(self, batch: ScoredBatch, step: int = 0, rows: list[int] | None = None) -> torch.Tensor:
         """The loss gradient of an update's first optimizer step on ``rows`` of ``batch`` (default: every
         row, as one mini-batch), flattened over the LoRA parameters: (P,) float32 on the device.
@@ -209,9 +211,7 @@ class Learner:
         are built on it. A descent step ``-eps * g`` raises the expected reward when the estimator is right.
         """
         rows = list(range(batch.trajectory.batch_size)) if rows is None else list(rows)
-        advantages = torch.where(
-            batch.finite.to(self.device), batch.advantages, torch.zeros_like(batch.advantages)
-        )
+        advantages = self._usable_advantages(batch)
         self.algorithm.begin(batch, step)
         self.algorithm.prepare([rows])
         self.optimizer.zero_grad(set_to_none=True)
