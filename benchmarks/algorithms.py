@@ -422,6 +422,12 @@ def main() -> None:
         metavar="NAME:KEY=VALUE",
         help="an extra config override for one algorithm (NAME) or all (*), for tuning; repeatable",
     )
+    parser.add_argument(
+        "--evaluations",
+        type=int,
+        default=None,
+        help="scenes: held-out evaluations per run, at each k/N of the budget (default 4: the quarters)",
+    )
     parser.add_argument("--out", default="/tmp/algbench", help="folder for algorithms.png")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument(
@@ -433,6 +439,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI smoke run: 1 seed, 3 steps per algorithm")
     args = parser.parse_args()
     learners = ALGORITHMS
+    if args.evaluations is not None and (args.task != "scenes" or args.evaluations < 1):
+        parser.error("--evaluations: a positive count, with --task scenes only")
     if args.task == "scenes":
         import algorithms_scenes
 

@@ -103,7 +103,8 @@ NEW_ALGORITHMS = ("diffusion_nft", "awm")
 BUDGET_FE = 44160
 """Forward-equivalents per run: the demo's 30 DiffusionNFT steps (64 images x 23 FE)."""
 QUARTERS = 4
-"""Evaluations per run: at the first step whose cum/fe reaches k/4 of the budget."""
+"""Evaluations per run by default (``--evaluations``): at the first step whose cum/fe reaches k/4 of
+the budget."""
 TARGET_GAIN = 0.04
 """The target: held-out exact >= this run's seed's base + TARGET_GAIN at an evaluation."""
 THRESHOLDS = (0.02, 0.04, 0.06, 0.08)
@@ -137,9 +138,17 @@ def _evaluation(trainer: Trainer, step: int) -> list[float]:
     return [float(p["gold"]) for p in trainer.evaluator.evaluate(step=step).prompts]
 
 
-def run_one(name: str, seed: int, run_dir: str, budget_fe: float, extra: list[str], base_file: Path) -> dict:
-    """One run to the budget with `QUARTERS` evaluations; the base evaluation of its seed is read
-    from ``base_file`` or made (LoRA off, before any update) and written there."""
+def run_one(
+    name: str,
+    seed: int,
+    run_dir: str,
+    budget_fe: float,
+    extra: list[str],
+    base_file: Path,
+    points: int = QUARTERS,
+) -> dict:
+    """One run to the budget with ``points`` evaluations (at each k/points of it); the base evaluation
+    of its seed is read from ``base_file`` or made (LoRA off, before any update) and written there."""
     trainer = Trainer(run_config(name, seed, run_dir, extra))
     try:
         if base_file.is_file():
@@ -151,13 +160,13 @@ def run_one(name: str, seed: int, run_dir: str, budget_fe: float, extra: list[st
             atomic_write_text(
                 base_file, json.dumps({"seed": seed, "gold": base, "eval_s": time.perf_counter() - t0})
             )
-        marks = [budget_fe * (k + 1) / QUARTERS for k in range(QUARTERS)]
+        marks = [budget_fe * (k + 1) / points for k in range(points)]
         evaluations: list[dict[str, Any]] = []
         eval_s = 0.0
 
         def after_step(step: int, record: dict[str, Any]) -> None:
             nonlocal eval_s
-            if len(evaluations) < QUARTERS and record["cum/fe"] >= marks[len(evaluations)]:
+            if len(evaluations) < points and record["cum/fe"] >= marks[len(evaluations)]:
                 t0 = time.perf_counter()
                 gold = _evaluation(trainer, step)
                 eval_s += time.perf_counter() - t0
@@ -172,7 +181,7 @@ def run_one(name: str, seed: int, run_dir: str, budget_fe: float, extra: list[st
                         "se_gain": summary["se_diff"],
                     }
                 )
-            if len(evaluations) == QUARTERS:
+            if len(evaluations) == points:
                 raise _Done
 
         t0 = time.perf_counter()
@@ -342,6 +351,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     quick, results), ``extra`` the ``--set`` overrides by learner."""
     names = list(extra)
     budget = args.budget_fe
+    points = getattr(args, "evaluations", None) or QUARTERS
     results = Path(args.results).expanduser()
     results.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -352,7 +362,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
             settings = {
                 "config": config_to_dict(run_config(name, seed, "runs", extra[name])),
                 "budget_fe": budget,
-                "quarters": QUARTERS,
+                "quarters": points,  # the number of evaluations (the key of the first run files)
             }
             path = results / f"{name}_s{seed}.json"
             if path.is_file():
@@ -366,7 +376,9 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
                 print(f"{name} seed {seed}: loaded from {path}", flush=True)
             else:
                 with tempfile.TemporaryDirectory() as tmp:  # the trainer's run folder: not kept
-                    run = run_one(name, seed, tmp, budget, extra[name], results / f"base_s{seed}.json")
+                    run = run_one(
+                        name, seed, tmp, budget, extra[name], results / f"base_s{seed}.json", points
+                    )
                 atomic_write_text(path, json.dumps({"settings": settings, "run": run}))
             runs[name].append(run)
             last = run["evaluations"][-1]
@@ -384,7 +396,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     evaluation = run_config(names[0], args.first_seed, "runs", extra[names[0]]).eval
     print(
         f"target: held-out scene_exact >= base + {TARGET_GAIN:g} at an evaluation ({evaluation.num_prompts} "
-        f"captions, ODE {evaluation.num_steps} steps, CFG 4; at each quarter of the budget of {budget:.0f} FE), "
+        f"captions, ODE {evaluation.num_steps} steps, CFG 4; at each 1/{points} of the budget of {budget:.0f} FE), "
         f"{args.seeds} seed(s) from {args.first_seed}"
     )
     print_table(summary, args.seeds, ratio_interval, mean_std)
@@ -404,7 +416,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
             "evaluation": {
                 "prompts": evaluation.num_prompts,
                 "num_steps": evaluation.num_steps,
-                "points": QUARTERS,
+                "points": points,
             },
             "algorithms": summary,
             "task_overrides": TASK,
