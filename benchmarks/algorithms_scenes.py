@@ -169,18 +169,30 @@ def run_one(
             if len(evaluations) < points and record["cum/fe"] >= marks[len(evaluations)]:
                 t0 = time.perf_counter()
                 gold = _evaluation(trainer, step)
-                eval_s += time.perf_counter() - t0
                 summary = paired_summary(base, gold)
-                evaluations.append(
-                    {
-                        "step": step,
-                        "cum_fe": float(record["cum/fe"]),
-                        "cum_time_s": float(record["cum/time_s"]),
-                        "gold": summary["trained"],
-                        "gain": summary["diff"],
-                        "se_gain": summary["se_diff"],
-                    }
-                )
+                entry = {
+                    "step": step,
+                    "cum_fe": float(record["cum/fe"]),
+                    "cum_time_s": float(record["cum/time_s"]),
+                    "gold": summary["trained"],
+                    "gain": summary["diff"],
+                    "se_gain": summary["se_diff"],
+                }
+                if trainer.learner.ema is not None:
+                    # The same captions and seeds judged with the run's EMA weights (ema.enabled): the
+                    # training is the same run, so the two are paired caption by caption.
+                    with trainer.learner.ema_weights():
+                        ema_gold = _evaluation(trainer, step)
+                    ema = paired_summary(base, ema_gold)
+                    entry.update(
+                        ema_gold=ema["trained"],
+                        ema_gain=ema["diff"],
+                        ema_se_gain=ema["se_diff"],
+                        ema_minus_trained=paired_summary(gold, ema_gold)["diff"],
+                        ema_minus_trained_se=paired_summary(gold, ema_gold)["se_diff"],
+                    )
+                eval_s += time.perf_counter() - t0
+                evaluations.append(entry)
             if len(evaluations) == points:
                 raise _Done
 
@@ -290,6 +302,28 @@ def print_table(summary: dict[str, dict[str, Any]], seeds: int, ratio_interval, 
     print(table(rows, ("mean FE to a gain of", *(f"+{g:g}" for g in THRESHOLDS))))
 
 
+def print_curves(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The held-out gain at each evaluation, mean over seeds with the se of that mean (from each seed's
+    paired per-caption se), and the same for the EMA weights where the runs kept one."""
+    rows = []
+    for name, group in runs.items():
+        points = min(len(r["evaluations"]) for r in group)
+        for k in range(points):
+            evals = [r["evaluations"][k] for r in group]
+            n = len(evals)
+            cells = [name if k == 0 else "", f"{statistics.fmean(e['cum_fe'] for e in evals):.0f}"]
+            for key in ("gain", "ema_gain"):
+                if all(key in e for e in evals):
+                    mean = statistics.fmean(e[key] for e in evals)
+                    se = math.sqrt(sum(e[f"{key[:-4]}se_gain"] ** 2 for e in evals)) / n
+                    per_seed = " ".join(f"{e[key]:+.3f}" for e in evals)
+                    cells.append(f"{mean:+.3f} ({se:.3f}) [{per_seed}]")
+                else:
+                    cells.append("-")
+            rows.append(tuple(cells))
+    print(table(rows, ("algorithm", "mean cum FE", "gain, mean (se) [per seed]", "EMA weights' gain")))
+
+
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     import matplotlib
 
@@ -390,6 +424,14 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
                 f"{run['run_wall_s']:.0f} s, of which evaluations {run['eval_wall_s']:.0f} s)",
                 flush=True,
             )
+            if "ema_gold" in last:
+                print(
+                    f"  EMA weights: {run['base']:.3f} -> "
+                    + " -> ".join(f"{e['ema_gold']:.3f}" for e in run["evaluations"])
+                    + f" (final gain {last['ema_gain']:+.3f}, se {last['ema_se_gain']:.3f}; EMA minus "
+                    f"trained {last['ema_minus_trained']:+.3f}, se {last['ema_minus_trained_se']:.3f})",
+                    flush=True,
+                )
     total = time.perf_counter() - t0
     summary = {name: summarise(group) for name, group in runs.items()}
     print()
@@ -400,6 +442,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
         f"{args.seeds} seed(s) from {args.first_seed}"
     )
     print_table(summary, args.seeds, ratio_interval, mean_std)
+    print_curves(runs)
     for name in names:
         print(f"  {name}: {' '.join(ALGORITHMS[name]['overrides'] + extra[name])}")
         print(f"    ({ALGORITHMS[name]['why']})")

@@ -64,9 +64,11 @@ def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
     # The run's own evaluation of its last step, when it made one, is this very sampling (same
     # prompts, seeds and weights): reuse it instead of sampling the held-out set again.
     last = trainer.last_evaluation
-    trained = (
-        last if last is not None and last.step == trainer.step else evaluator.evaluate(step=trainer.step)
-    )
+    if last is not None and last.step == trainer.step:
+        trained = last
+    else:
+        with trainer.evaluation_weights():  # the EMA weights with ema.enabled (and ema.evaluate)
+            trained = evaluator.evaluate(step=trainer.step)
     summary: dict[str, Any] = paired_summary(
         [p["gold"] for p in base.prompts], [p["gold"] for p in trained.prompts]
     )

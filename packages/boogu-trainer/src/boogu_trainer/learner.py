@@ -342,6 +342,30 @@ class Learner:
         for k, v in full.items():
             self.ema[k].mul_(d).add_(v.float(), alpha=1 - d)
 
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """The EMA of the LoRA in the transformer for the body of the ``with`` (an evaluation), the
+        trained weights put back bitwise after; without an EMA, the trained weights. Every rank calls it
+        (under FSDP2 the EMA is loaded into the shards)."""
+        if self.ema is None:
+            yield
+            return
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self.params]
+        dtypes = {
+            lora_file_key(n): p.dtype for n, p in zip(self.param_names, self.params) if is_lora_param(n)
+        }
+        by_file_key = {lora_file_key(n): n for n in self.param_names if is_lora_param(n)}
+        try:
+            load_full_state(
+                self.transformer, {by_file_key[k]: v.to(dtype=dtypes[k]) for k, v in self.ema.items()}
+            )
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved, strict=True):
+                    p.copy_(s)
+
     def apply_optim_config(self) -> None:
         """Set the optimizer's hyper-parameters from the config (after a resume that changed them)."""
         o = self.optim_config

@@ -19,6 +19,7 @@ Reads like the algorithm (Flow-GRPO, Liu et al. 2025):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -445,10 +446,18 @@ class Trainer:
             out["nft/old_decay"] = self.learner.last_old_decay
         return out
 
+    def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The weights an evaluation judges: the EMA with ``ema.enabled`` and ``ema.evaluate`` (put
+        back after), else the trained ones."""
+        if self.config.ema.enabled and self.config.ema.evaluate:
+            return self.learner.ema_weights()
+        return contextlib.nullcontext()
+
     def _evaluate(self) -> tuple[EvalResult, Verdict]:
         """Evaluate now; rank 0 writes ``eval/step_XXXXXX/``. Updates the best gold score and the
         divergence streak (their state goes into the checkpoint of this step)."""
-        result = self.evaluator.evaluate(self.step)
+        with self.evaluation_weights():
+            result = self.evaluator.evaluate(self.step)
         self.evaluator.write(result, self.run_dir)
         self.last_evaluation = result
         return result, self.gold.evaluation(self.step, result.gold, ckpt.step_dir_name(self.step))
