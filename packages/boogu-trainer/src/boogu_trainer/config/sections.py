@@ -543,6 +543,9 @@ class EmaConfig:
     """Keep an exponential moving average of the LoRA weights (saved with checkpoints)."""
     decay: float = 0.9
     """EMA decay per training step."""
+    evaluate: bool = True
+    """With ``enabled``: evaluations (``eval.every``, ``keep_best``, the demo's held-out comparison) judge
+    the EMA weights, as flow_grpo and DiffusionNFT do; rollouts always use the trained weights."""
 
     def __post_init__(self) -> None:
         _check(0 < self.decay < 1, "ema.decay", self.decay, "in (0, 1)")
