@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -197,6 +198,25 @@ def test_ema_follows_the_lora_and_is_checkpointed(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(trainer.learner.ema[k], 0.5 * initial[k] + 0.5 * final[k])
     saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_000001")
     assert saved.ema is not None and all(torch.equal(saved.ema[k], trainer.learner.ema[k]) for k in final)
+    # An evaluation judges the EMA weights (ema.evaluate, the default), and the trained ones are put
+    # back bitwise after it; the EMA differs from them here (decay 0.5 over one update).
+    seen = []
+
+    def judged(step):
+        seen.append(lora_of(trainer))
+        raise KeyboardInterrupt  # leave _evaluate at once, as an interrupted evaluation would
+
+    trainer.evaluator.evaluate = judged
+    with pytest.raises(KeyboardInterrupt):
+        trainer._evaluate()
+    assert all(torch.equal(seen[0][k], trainer.learner.ema[k].to(final[k].dtype)) for k in final)
+    assert any(not torch.equal(seen[0][k], final[k]) for k in final)
+    assert all(torch.equal(v, final[k]) for k, v in lora_of(trainer).items())
+    ema_off = dataclasses.replace(trainer.config.ema, evaluate=False)
+    trainer.config = dataclasses.replace(trainer.config, ema=ema_off)
+    with pytest.raises(KeyboardInterrupt):
+        trainer._evaluate()
+    assert all(torch.equal(seen[1][k], final[k]) for k in final)
 
 
 def test_metrics_count_forwards_and_encodings_per_step(finished_run):
