@@ -309,3 +309,168 @@ def test_cli(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out.strip() == str(tiny_checkpoint)
     assert main(["--output-dir", str(tmp_path / "x"), "--source-model", str(tmp_path / "nowhere")]) == 2
     assert "not a local folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- what boogu-tiny keeps and replaces
+# (issue 49 items 2, 3 and 10; the rule: boogu_data.atomic, docs/tiny-model.md)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def _marker_of(folder: Path) -> dict:
+    return json.loads((folder / MARKER_NAME).read_text())
+
+
+def test_trained_over_a_random_build_asks_first_and_never_deletes_your_files(
+    checkpoint_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (checkpoint_copy / "NOTES.txt").write_text("mine")
+    (checkpoint_copy / "my_lora").mkdir()
+    (checkpoint_copy / "my_lora" / "adapter_model.safetensors").write_bytes(b"my weights")
+    before = _files(checkpoint_copy)
+    argv = ["--trained", "--output-dir", str(checkpoint_copy)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds the tiny random checkpoint (seed 42), not the pretrained tiny checkpoint" in err
+    assert "Pass --force" in err and _files(checkpoint_copy) == before
+    # --force replaces another model, but never a file boogu-tiny did not write.
+    assert main([*argv, "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "holds NOTES.txt, which boogu-tiny did not write (and 1 more such entries)" in err
+    assert "nothing was deleted" in err and _files(checkpoint_copy) == before
+    (checkpoint_copy / "NOTES.txt").unlink()
+    assert main([*argv, "--force"]) == 2
+    assert (
+        "holds my_lora/adapter_model.safetensors, which boogu-tiny did not write" in capsys.readouterr().err
+    )
+    shutil.rmtree(checkpoint_copy / "my_lora")
+    assert main([*argv, "--force"]) == 0
+    assert _marker_of(checkpoint_copy)["kind"] == "trained"
+    assert _leftovers(checkpoint_copy) == []
+
+
+def test_a_folder_is_complete_only_when_it_holds_what_was_asked(
+    checkpoint_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A random build over a pretrained install: not "complete; nothing to do".
+    trained = tiny.ensure_trained_checkpoint(tmp_path / "trained")
+    installed = _files(trained)
+    assert main(["--output-dir", str(trained)]) == 2
+    assert (
+        "holds the pretrained tiny checkpoint (boogu-tiny --trained), not the tiny random checkpoint (seed 42)"
+        in (capsys.readouterr().err)
+    )
+    assert _files(trained) == installed
+    # --seed 7 over a seed-42 build: refused without --force, rebuilt with it.
+    with pytest.raises(
+        FileExistsError, match=r"holds the tiny random checkpoint \(seed 42\), not the tiny random "
+    ):
+        ensure_tiny_checkpoint(checkpoint_copy, seed=7)
+    assert _marker_of(checkpoint_copy)["seed"] == DEFAULT_SEED
+    ensure_tiny_checkpoint(checkpoint_copy, seed=7, force=True)
+    assert _marker_of(checkpoint_copy)["seed"] == 7
+    assert ensure_tiny_checkpoint(checkpoint_copy, seed=7) == checkpoint_copy  # now complete
+
+
+def test_every_installed_file_is_checked_and_a_changed_one_is_never_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tiny.ensure_trained_checkpoint(tmp_path / "ckpt")
+    shard = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"
+    with (target / shard).open("r+b") as f:  # one byte of a weight, same size
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 1]))
+    tampered = _files(target)
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match=f"holds {shard}, which changed since boogu-tiny wrote it"):
+            tiny.ensure_trained_checkpoint(target, force=force)
+        assert _files(target) == tampered
+    # A listed file that is missing is simply put back (the folder is still boogu-tiny's own).
+    with (target / shard).open("r+b") as f:
+        f.seek(4096)
+        f.write(byte)
+    recorded = _marker_of(target)["files"]
+    assert set(recorded) == {name for name in _files(target) if name != MARKER_NAME}
+    (target / "vae" / "config.json").unlink()
+    tiny.ensure_trained_checkpoint(target)
+    assert "is not current (vae/config.json is missing); rebuilding it" in caplog.text
+    assert (target / "vae" / "config.json").is_file() and _marker_of(target)["files"] == recorded
+
+
+def test_markers_from_before_the_file_list(checkpoint_copy: Path, tmp_path: Path) -> None:
+    # A pretrained install from before (like ~/models/tiny-scenes) is still complete: the committed
+    # manifest says what its files are. It is kept as it is, and still checked.
+    trained = tiny.ensure_trained_checkpoint(tmp_path / "trained")
+    marker = _marker_of(trained)
+    marker.pop("files", None), marker.pop("kind", None)
+    (trained / MARKER_NAME).write_text(json.dumps(marker))
+    stamp = (trained / MARKER_NAME).stat().st_mtime_ns
+    assert tiny.ensure_trained_checkpoint(trained) == trained
+    assert (trained / MARKER_NAME).stat().st_mtime_ns == stamp
+    (trained / "vae" / "config.json").write_text("{}")
+    with pytest.raises(
+        FileExistsError, match=r"holds vae/config\.json, which changed since boogu-tiny wrote it"
+    ):
+        tiny.ensure_trained_checkpoint(trained)
+    # A random build from before (builder version 3) is rebuilt; the layout's paths stand for its
+    # files, so one of yours outside them is still never deleted.
+    marker = _marker_of(checkpoint_copy)
+    marker.pop("files", None), marker.pop("kind", None)
+    marker["builder_version"] = 3
+    (checkpoint_copy / MARKER_NAME).write_text(json.dumps(marker))
+    (checkpoint_copy / "transformer" / "mine").mkdir()
+    (checkpoint_copy / "transformer" / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(
+        FileExistsError, match=r"holds transformer/mine/notes\.txt, which boogu-tiny did not write"
+    ):
+        ensure_tiny_checkpoint(checkpoint_copy)
+    shutil.rmtree(checkpoint_copy / "transformer" / "mine")
+    ensure_tiny_checkpoint(checkpoint_copy)
+    assert _marker_of(checkpoint_copy)["builder_version"] == tiny.BUILDER_VERSION
+
+
+def test_a_full_or_read_only_disk_is_a_named_error_and_leaves_nothing(
+    checkpoint_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+    import os
+
+    from safetensors import SafetensorError
+
+    def disk_full(*args, **kwargs):  # what safetensors raises when a shard does not fit
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    target = tmp_path / "fresh" / "Boogu-Image"
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny, "_write_mllm", disk_full)  # after the transformer and VAE were written
+        assert main(["--output-dir", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"boogu-tiny: error: cannot write the tiny checkpoint at {target} (")
+    assert "No space left on device" in err and "Traceback" not in err
+    assert not target.exists() and _leftovers(target) == []
+
+    def read_only(final: Path) -> Path:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(final.parent / f".{final.name}.tmp-x"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny, "stage_folder", read_only)
+        assert main(["--output-dir", str(target)]) == 1
+    assert f"({os.strerror(errno.EROFS)}: {target.parent}/.Boogu-Image.tmp-x)" in capsys.readouterr().err
+
+    # A forced rebuild whose rename fails keeps the previous checkpoint, byte for byte.
+    before = _files(checkpoint_copy)
+
+    def no_space(staging: Path, final: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny, "commit_folder", no_space)
+        assert main(["--output-dir", str(checkpoint_copy), "--force"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert _files(checkpoint_copy) == before and _leftovers(checkpoint_copy) == []

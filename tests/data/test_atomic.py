@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -15,10 +16,14 @@ import pytest
 import boogu_data.atomic as atomic
 from boogu_data.atomic import (
     AtomicOutputs,
+    ForeignFilesError,
     atomic_file,
     atomic_write_bytes,
     atomic_write_text,
+    check_replaceable,
     commit_folder,
+    folder_manifest,
+    foreign_files,
     fsync_dir,
     owner_alive,
     recover_folder,
@@ -335,3 +340,41 @@ def test_recover_folder_leaves_a_live_commit_alone(tmp_path: Path, live_pid: int
     assert not recover_folder(tmp_path / "ckpt")
     assert retired.is_dir() and not (tmp_path / "ckpt").exists()
     assert not recover_folder(tmp_path / "missing-parent" / "ckpt")
+
+
+# ------------------------------------------------------------------------------ what may be replaced
+
+
+def test_only_a_folder_of_the_commands_own_unchanged_files_may_be_replaced(tmp_path: Path) -> None:
+    out = _folder(
+        tmp_path / "out", {"a.parquet": "rows", "images/train/00000.png": "png", "marker.json": "{}"}
+    )
+    manifest = folder_manifest(out, exclude=lambda name: name == "marker.json")
+    assert list(manifest) == ["a.parquet", "images/train/00000.png"]
+    assert manifest["a.parquet"] == {"bytes": 4, "sha256": hashlib.sha256(b"rows").hexdigest()}
+    own = frozenset({"marker.json"})
+    assert foreign_files(out, manifest, own=own) == []
+    check_replaceable(out, manifest, command="cmd", own=own)  # nothing foreign: no error
+    assert foreign_files(tmp_path / "missing", manifest) == []
+    # Anything else, at any depth, is foreign: a nested file, a changed file, a link, an empty folder.
+    (out / "images" / "mine").mkdir()
+    (out / "images" / "mine" / "fav.png").write_text("mine")
+    (out / "a.parquet").write_text("ROWS")
+    (out / "link").symlink_to(out / "a.parquet")
+    (out / "empty").mkdir()
+    found = foreign_files(out, manifest, own=own)
+    assert found == [
+        ("a.parquet", "changed"),
+        ("empty/", "empty folder"),
+        ("images/mine/fav.png", "unlisted"),
+        ("link", "link"),
+    ]
+    before = _tree(out)
+    with pytest.raises(ForeignFilesError) as error:
+        check_replaceable(out, manifest, command="cmd", own=own, advice="Do this.")
+    assert str(error.value) == (
+        f"{out} holds a.parquet, which changed since cmd wrote it (and 3 more such entries); refusing to "
+        "replace the folder (nothing was deleted). Do this."
+    )
+    assert isinstance(error.value, FileExistsError) and error.value.foreign == found
+    assert _tree(out) == before

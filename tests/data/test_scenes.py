@@ -18,6 +18,7 @@ from boogu_data.scenes import (
     BACKGROUND,
     COLOURS,
     MARKER,
+    MAX_COUNT,
     PALETTE,
     SHAPES,
     TEST_PAIRS,
@@ -34,6 +35,7 @@ from boogu_data.scenes import (
 )
 
 SMALL = {"train": 16, "val": 4, "test": 4}
+WHY_MAX = "(the most scenes of one split that boogu-data draws: image names have five digits)"
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -244,8 +246,8 @@ def test_scenes_command_refuses_bad_arguments_in_one_line(
     for extra, message in (
         (["--size", "50"], "--size must be a multiple of 16 from 32 to 2048, got 50"),
         (["--size", "16"], "--size must be a multiple of 16 from 32 to 2048, got 16"),
-        (["--count", "0"], "--count must be an int >= 1, got 0"),
-        (["--test-count", "-1"], "--test-count must be an int >= 1, got -1"),
+        (["--count", "0"], f"--count must be an int from 1 to {MAX_COUNT} {WHY_MAX}, got 0"),
+        (["--test-count", "-1"], f"--test-count must be an int from 1 to {MAX_COUNT} {WHY_MAX}, got -1"),
         (["--seed", "-2"], "--seed must be an int >= 0, got -2"),
     ):
         assert main(["scenes", "--output-dir", out, *extra]) == 2
@@ -270,7 +272,7 @@ def test_scenes_command_replaces_only_its_own_earlier_output(
     assert not (out / "images").exists() and _digests(out)["train.parquet"] != first["train.parquet"]
     (out / "notes.txt").write_text("mine")
     assert main([*argv, "--overwrite"]) == 1
-    assert "notes.txt, which `boogu-data scenes` does not write" in capsys.readouterr().err
+    assert "notes.txt, which `boogu-data scenes` did not write" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "mine"
     other = tmp_path / "other"
     other.mkdir()
@@ -283,3 +285,110 @@ def test_scenes_command_replaces_only_its_own_earlier_output(
     assert main(["scenes", "--output-dir", str(blocker)]) == 1
     assert "is a file, not a folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "o", "other"], "no temporary is left"
+
+
+def test_overwrite_refuses_files_nested_in_an_earlier_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 49 item 12: only top-level names were checked, so images/mine/fav.png was deleted.
+    out = tmp_path / "o"
+    argv = ["scenes", "--output-dir", str(out), "--count", "3", "--val-count", "1", "--test-count", "1"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (out / "images" / "mine").mkdir()
+    (out / "images" / "mine" / "fav.png").write_bytes(b"my favourite")
+    before = _digests(out)
+    assert main([*argv, "--seed", "9", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "holds images/mine/fav.png, which `boogu-data scenes` did not write" in err
+    assert "nothing was deleted" in err and _digests(out) == before
+    # A file the command wrote but the user changed is theirs now, and so is an empty folder they made.
+    (out / "images" / "mine" / "fav.png").unlink()
+    (out / "images" / "mine").rmdir()
+    (out / "images" / "train" / "00001.png").write_bytes(b"edited by hand")
+    assert main([*argv, "--overwrite"]) == 1
+    assert (
+        "images/train/00001.png, which changed since `boogu-data scenes` wrote it" in capsys.readouterr().err
+    )
+    assert (out / "images" / "train" / "00001.png").read_bytes() == b"edited by hand"
+    (out / "images" / "train" / "00001.png").unlink()
+    (out / "images" / "mine").mkdir()
+    assert main([*argv, "--overwrite"]) == 1
+    assert "images/mine/, an empty folder `boogu-data scenes` did not make" in capsys.readouterr().err
+    (out / "images" / "mine").rmdir()
+    # With only its own files left (one missing is fine), the earlier output is replaced.
+    assert main([*argv, "--seed", "9", "--overwrite"]) == 0
+    assert json.loads((out / MARKER).read_text())["seed"] == 9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"], "no temporary is left"
+
+
+def test_overwrite_of_a_version_1_output_allows_only_the_names_it_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o"
+    argv = ["scenes", "--output-dir", str(out), "--count", "2", "--val-count", "1", "--test-count", "1"]
+    assert main(argv) == 0
+    marker = json.loads((out / MARKER).read_text())
+    marker.pop("files", None)  # what version 1 wrote: no file list
+    marker["version"] = 1
+    (out / MARKER).write_text(json.dumps(marker))
+    (out / "images" / "train" / "00002.png").write_bytes(b"beyond its count of 2: not its own")
+    assert main([*argv, "--overwrite"]) == 1
+    assert "holds images/train/00002.png, which `boogu-data scenes` did not write" in capsys.readouterr().err
+    (out / "images" / "train" / "00002.png").unlink()
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads((out / MARKER).read_text())["version"] == 2
+
+
+def test_counts_are_bounded_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 49 item 8: --count 100000000000 drew scenes until memory ran out. Any draw now fails the
+    # test at once, instead of hanging it.
+    import boogu_data.scene_edits
+    import boogu_data.scenes
+
+    def no_draw(*args, **kwargs):
+        raise AssertionError("a scene was drawn before the count was checked")
+
+    monkeypatch.setattr(boogu_data.scenes, "sample_scene", no_draw)
+    monkeypatch.setattr(boogu_data.scene_edits, "sample_edit", no_draw)
+    out = tmp_path / "o"
+    for extra, flag in (([], "--count"), (["--edits"], "--count"), (["--edits"], "--val-count")):
+        argv = ["scenes", "--output-dir", str(out), *extra, flag, "100000000000"]
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (
+            f"boogu-data scenes: error: {flag} must be an int from 1 to {MAX_COUNT} {WHY_MAX}, got 100000000000\n"
+        )
+    assert list(tmp_path.iterdir()) == [], "no output and no staging folder"
+    for call in (generate_scenes, boogu_data.scene_edits.generate_edits):
+        with pytest.raises(ValueError, match=f"count must be an int from 0 to {MAX_COUNT}"):
+            call(0, "train", MAX_COUNT + 1)
+
+
+def test_a_killed_runs_staging_folder_is_removed_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()  # its pid is now dead: the owner of the staging folder below
+    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
+    leftover = tmp_path / f".o.tmp-{host}-{process.pid}-0123abcd"
+    (leftover / "images" / "train").mkdir(parents=True)
+    (leftover / "train.parquet").write_bytes(b"half written")
+    argv = [
+        "scenes",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--count",
+        "2",
+        "--val-count",
+        "1",
+        "--test-count",
+        "1",
+    ]
+    assert main(argv) == 0
+    assert f"removed {leftover}, left behind by a killed run" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]

@@ -68,6 +68,7 @@ def test_nft_old_policy_lags_rolls_out_and_resumes_bitwise(tiny_checkpoint, tmp_
 
     first = Trainer(make(tiny_checkpoint, tmp_path / "b", *nft[:-1], "total_steps=2"))
     first.train()
+    first.close()  # the run ends: its folder's lock goes
     resumed = Trainer(make(tiny_checkpoint, tmp_path / "b", *nft, "resume=auto"))
     assert resumed.resume("auto") is not None and resumed.step == 2
     resumed.train()

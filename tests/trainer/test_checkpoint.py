@@ -233,3 +233,29 @@ def test_a_checkpoint_fsyncs_each_file_exactly_once(tmp_path, monkeypatch):
     folder = checkpointer(config(tmp_path), "a").save(1, contents(1.0, "a"))
     files = sorted(p.name for p in folder.iterdir() if p.is_file())
     assert sorted(synced) == files and set(synced.values()) == {1}, synced
+
+
+def test_seeded_global_rngs_draw_the_same_numbers_and_leave_the_outer_stream_as_it_was():
+    # An evaluation scores under it (Evaluator.evaluate): a reward drawing from the global RNGs there
+    # must neither move training's stream (a checkpoint keeps that) nor depend on when it runs.
+    import random
+
+    import numpy as np
+
+    from boogu_trainer.checkpoint import seed_global_rngs, seeded_global_rngs
+
+    def draws():
+        return torch.rand(3).tolist(), float(np.random.rand()), random.random()
+
+    seed_global_rngs(5)
+    draws()
+    expected = draws()
+    seed_global_rngs(5)
+    draws()
+    with seeded_global_rngs(9):
+        first = draws()
+    assert draws() == expected
+    with seeded_global_rngs(9):
+        assert draws() == first
+    seed_global_rngs(9)
+    assert draws() == first

@@ -3,6 +3,10 @@ stopped at start-up (not at the step that draws it) with the file and row named.
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+
 import pytest
 
 from boogu_data import PromptRecord, write_records
@@ -19,6 +23,7 @@ def args(tiny_checkpoint, run_dir, *extra: str) -> list[str]:
     return [
         f"model.path={tiny_checkpoint}",
         "data.demo_set=ocr",
+        "data.demo_prompts=64",  # every OCR demo prompt (the scenes demo's 2000 is refused for OCR)
         "reward.rewards=[{name: demo_brightness}]",
         "eval.every=0",
         "eval.rewards=[]",
@@ -67,3 +72,44 @@ def test_an_over_long_prompt_stops_the_trainer_at_start_up_naming_file_and_row(t
     cfg = small_config(tiny_checkpoint, tmp_path, f"data.train_files=[{data}]")
     with pytest.raises(ValueError, match=rf"{data} row 2: .* model\.max_sequence_length=1280"):
         Trainer(cfg)
+
+
+# ---- named errors, before anything is written ------------------------------------------------------
+OCR_PROMPTS = "data.demo_prompts=8"  # within the OCR prompts that ship
+
+
+def test_a_rollout_batch_that_cannot_fit_is_refused_before_the_run_folder(tiny_checkpoint, tmp_path, capsys):
+    assert main(args(tiny_checkpoint, tmp_path, OCR_PROMPTS, "algorithm.group_size=100000000000")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "trainer: config error: algorithm.group_size=100000000000 with data.prompts_per_step=2 on 1 rank(s): "
+        "a step rolls out 200000000000 images per rank; 200000000000 images of 32x32 at once need at least"
+    )
+    assert "more than the" in err and sorted(tmp_path.iterdir()) == []
+
+
+def test_a_lora_rank_above_every_module_is_refused_naming_the_limit(tiny_checkpoint, tmp_path, capsys):
+    assert main(args(tiny_checkpoint, tmp_path, OCR_PROMPTS, "lora.rank=1000000000")) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"config error: lora\.rank=1000000000: expected at most \d+, the largest min\(in", err)
+    assert sorted(tmp_path.iterdir()) == []  # the run folder held only its lock, removed with it
+
+
+def test_a_run_folder_that_cannot_be_made_is_a_named_error(tiny_checkpoint, tmp_path, capsys):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    assert main(args(tiny_checkpoint, blocked, OCR_PROMPTS)) == 4
+    err = capsys.readouterr().err
+    assert f"cannot create and lock the run folder {blocked / 'mine'}" in err and "Traceback" not in err
+
+
+def test_a_disk_that_fills_up_during_the_run_is_a_named_error(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.run_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(Trainer, "train", full)
+    assert main(args(tiny_checkpoint, tmp_path, OCR_PROMPTS, "total_steps=1")) == 4
+    err = capsys.readouterr().err
+    metrics = tmp_path / "mine" / "metrics.jsonl"
+    assert f"trainer: error: cannot write {metrics}: No space left on device" in err
+    assert "committed checkpoints are intact" in err and "resume=auto" in err

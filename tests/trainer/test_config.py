@@ -126,6 +126,8 @@ def test_bad_values_name_the_key(override, needle):
         (["data.prompts_per_step=0"], "data.prompts_per_step", "0"),
         (["total_steps=0"], "total_steps", "0"),
         (["seed=-1"], "seed", "-1"),
+        (["seed=100000000000000000000"], "seed", "100000000000000000000"),  # past derive_seed's 63 bits
+        (["seed=9223372036854775808"], "seed", "9223372036854775808"),  # 2**63
         (["distributed.timeout_s=0"], "distributed.timeout_s", "0.0"),
         (["distributed.timeout_s=.inf"], "distributed.timeout_s", "inf"),
         (["sampler.noise_level=.inf"], "sampler.noise_level", "inf"),
@@ -160,6 +162,7 @@ def test_load_time_validation_names_key_and_value(overrides, key, value):
         ["sampler.window_kind=progressive", "sampler.window_stride=3", "sampler.window_every=2"],
         ["sampler.window_size=null", "sampler.window_range=[0, 3]"],
         ["optim.betas=[0.0, 0.5]", "optim.weight_decay=0", "eval.every=0", "logging.sample_every=0"],
+        ["seed=9223372036854775807"],  # 2**63 - 1
     ],
 )
 def test_valid_edges_load(overrides):
@@ -331,6 +334,9 @@ def test_bad_recipe_file_names_the_file(tmp_path):
     bad.write_text("- optim\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: a recipe must be a mapping"):
         load_config(bad)
+    bad.write_bytes("logging:\n  name: café\n".encode("latin-1"))  # not UTF-8
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not UTF-8 text \(byte 0xe9 at offset 20\); save"):
+        load_config(bad)
 
 
 def test_reference_lists_every_key_with_its_doc():
@@ -455,3 +461,26 @@ def test_a_bare_off_in_an_override_or_recipe_is_the_word_not_a_boolean(tmp_path)
     assert load_config(recipe).rollout.pipeline == "off"
     with pytest.raises(ConfigError, match=r"rollout.cfg_mode=False: expected 'batched' \| 'sequential'"):
         load_config(None, ["rollout.cfg_mode=off"])  # no 'off' among its choices: still an error
+
+
+def test_built_in_prompt_counts_are_bounded_when_the_config_loads():
+    # Issue 49 item 8: data.demo_prompts=1000000000000 drew scenes until memory ran out.
+    from importlib import resources
+
+    from boogu_trainer.data import MAX_DEMO_PROMPTS, OCR_DEMO_PROMPTS
+
+    text = resources.files("boogu_trainer").joinpath("assets/demo_prompts.txt").read_text(encoding="utf-8")
+    assert len(text.splitlines()) == OCR_DEMO_PROMPTS
+    for overrides, needle in (
+        (["data.demo_set=scenes", "data.demo_prompts=1000000000000"], f"expected <= {MAX_DEMO_PROMPTS}"),
+        (["eval.num_prompts=1000000000000"], f"expected <= {MAX_DEMO_PROMPTS}"),
+        # More OCR prompts than ship was silently cut to 64.
+        (["data.demo_prompts=65"], f"expected <= {OCR_DEMO_PROMPTS} (the built-in OCR prompts"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        key, value = overrides[-1].split("=")
+        assert str(err.value).startswith(f"{key}={value}: {needle}"), str(err.value)
+    edges = load_config(None, ["data.demo_set=scenes", f"data.demo_prompts={MAX_DEMO_PROMPTS}"])
+    assert edges.data.demo_prompts == MAX_DEMO_PROMPTS
+    assert load_config(None, [f"data.demo_prompts={OCR_DEMO_PROMPTS}"]).data.demo_prompts == OCR_DEMO_PROMPTS

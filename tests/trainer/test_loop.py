@@ -150,6 +150,7 @@ def test_resume_auto_continues_exactly(finished_run, tiny_checkpoint, tmp_path):
     # A second run stops at step 2 (its own checkpoint), then resumes to step 3.
     short = Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=2"))
     short.train()
+    short.close()  # the run ends: its folder's lock goes
     resumed = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
     assert resumed.resume("auto") is not None and resumed.step == 2
     new_history = resumed.train()
@@ -237,6 +238,7 @@ def test_resume_with_a_changed_lr_is_refused_unless_opted_in(finished_run, tiny_
     trainer = Trainer(changed)
     with pytest.raises(CheckpointError, match=r"optim\.lr: 0\.001 \(checkpoint\) -> 0\.0005"):
         trainer.resume("auto")
+    trainer.close()  # it holds the run folder's lock from its start
     allowed = small_config(
         tiny_checkpoint,
         tmp_path,
@@ -271,6 +273,53 @@ def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoi
     saved = load_checkpoint(folder)
     assert step == 0 and all(torch.isfinite(v).all() for v in saved.lora.values())
     assert all(torch.equal(saved.lora[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("broken_step", [1, 2])
+def test_a_nonfinite_stop_without_a_committed_checkpoint_writes_that_step_and_resumes(
+    tiny_checkpoint, tmp_path, monkeypatch, broken_step
+):
+    # The reward breaks in step k + 1 and reward.max_nonfinite_steps=1 stops the run; with
+    # save_every=2 no step k was committed, so the stop writes it. It must be step k's state (weights
+    # version k, the data position, global RNG states and counters before step k + 1), not the stop's:
+    # a resume once the reward is repaired then ends bitwise equal to a run whose reward never broke.
+    # k = 0 too: the checkpoint then holds the base weights, which a fresh engine holds as version 0.
+    from tests.trainer import reward_fakes
+
+    common = [
+        "total_steps=2",
+        "checkpoint.save_every=2",
+        "reward.max_nonfinite_steps=1",
+        "preflight=false",  # its step would be the reward's first call
+        "logging.sample_every=0",
+        "logging.plot_every=0",
+    ]
+    noisy = "reward.rewards=[{name: 'tests.trainer.reward_fakes:brightness_with_global_noise'}]"
+    straight = Trainer(small_config(tiny_checkpoint, tmp_path / "straight", noisy, *common))
+    history = straight.train()
+    straight.close()
+    breaking = "reward.rewards=[{name: 'tests.trainer.reward_fakes:global_noise_then_nan'}]"
+    monkeypatch.setattr(reward_fakes, "NAN_FROM_CALL", broken_step)
+    monkeypatch.setattr(reward_fakes, "calls", 0)
+    stopped = Trainer(small_config(tiny_checkpoint, tmp_path / "stopped", breaking, *common))
+    with pytest.raises(TrainingStopped, match="1 consecutive steps") as error:
+        stopped.train()
+    stopped.close()
+    ((step, folder),) = checkpoint_folders(tmp_path / "stopped" / "run" / "checkpoints")
+    assert step == broken_step - 1 and str(folder) in str(error.value)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["weights_version"] == step
+    monkeypatch.setattr(reward_fakes, "NAN_FROM_CALL", None)
+    resumed = Trainer(small_config(tiny_checkpoint, tmp_path / "stopped", breaking, *common, "resume=auto"))
+    try:
+        assert resumed.resume("auto") == folder and resumed.step == step
+        again = resumed.train()
+    finally:
+        resumed.close()
+    for key in ("reward/mean", "weights_version", "nonfinite_reward_samples", "skipped_updates"):
+        assert [h[key] for h in again] == [h[key] for h in history], key
+    a, b = lora_of(straight), lora_of(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _files(folder):
@@ -396,11 +445,11 @@ def test_a_second_writer_of_a_live_run_folder_is_refused_naming_the_holder(tiny_
     refused = []
 
     def start_a_second_run(step, record):
-        # While the first run lives (a killed job's ranks still finishing): a resume=auto of it.
+        # While the first run lives (a killed job's ranks still finishing): a resume=auto of it is
+        # refused by its constructor, before it loads anything (tests/trainer/test_run_lock_and_resume_rules.py).
         if step == 1:
-            second = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
             with pytest.raises(ckpt.RunFolderLocked) as error:
-                second.resume("auto")
+                Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
             refused.append(str(error.value))
 
     first.train(start_a_second_run)
@@ -408,7 +457,11 @@ def test_a_second_writer_of_a_live_run_folder_is_refused_naming_the_holder(tiny_
     assert str(tmp_path / "run") in refused[0]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]  # one writer
-    # The lock lives as long as the run: once it ended, the folder can be resumed.
+    # The lock lives as long as the run, not only its steps: what follows them (the demo's held-out
+    # comparison) writes the folder too. Once the run is closed, the folder can be resumed.
+    with pytest.raises(ckpt.RunFolderLocked):
+        Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
+    first.close()
     after = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto"))
     assert after.resume("auto") is not None and after.step == 2
     after.close()

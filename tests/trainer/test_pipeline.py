@@ -9,6 +9,7 @@ LoRA at each sync and samples on the rollout thread while the update changes the
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -19,7 +20,8 @@ from boogu_adapters.lora import lora_state_dict
 from boogu_trainer.checkpoint import ROLLOUT_POLICY, checkpoint_folders
 from boogu_trainer.config import ConfigError
 from boogu_trainer.models import load_base_parts, prepare_policy
-from boogu_trainer.trainer import Trainer
+from boogu_trainer.trainer import Trainer, TrainingStopped
+from tests.trainer import reward_fakes
 from tests.trainer.test_loop import small_config
 
 
@@ -103,34 +105,121 @@ def test_checkpoints_keep_the_batch_in_flight(straight):
     folder, _, _ = straight
     folders = dict(checkpoint_folders(folder / "run" / "checkpoints"))
     assert sorted(folders) == [1, 2, 3]
-    # Steps 1 and 2 had the next batch in flight, sampled with versions 0 and 1; step 3 had none.
-    assert (folders[1] / ROLLOUT_POLICY).is_file() and (folders[2] / ROLLOUT_POLICY).is_file()
-    assert not (folders[3] / ROLLOUT_POLICY).exists()
-    import json
-
+    # Steps 1 and 2 had the next batch in flight, sampled with versions 0 and 1; step 3, the last,
+    # records the batch a step 4 would train on (version 2) without rolling it out.
+    assert all((folders[s] / ROLLOUT_POLICY).is_file() for s in (1, 2, 3))
     states = {s: json.loads((f / "trainer_state.json").read_text()) for s, f in folders.items()}
     assert states[1]["pipeline"] == {"step": 1, "version": 0}
     assert states[2]["pipeline"] == {"step": 2, "version": 1}
-    assert "pipeline" not in states[3]
+    assert states[3]["pipeline"] == {"step": 3, "version": 2}
     # The data position is the one before the batch in flight: what a sync run has after its step.
     assert states[1]["data"] != states[2]["data"]
 
 
-@pytest.mark.parametrize("resume_from", [1, 2])
-def test_a_resumed_pipelined_run_ends_bitwise_equal(straight, tiny_checkpoint, tmp_path, resume_from):
-    folder, lora, history = straight
+# An evaluation at every step (the built-in scene captions' held-out prompts) with the global-RNG
+# reward, and a checkpoint of the best gold score: the evaluation's reward draws must not move the
+# training rewards' stream, or a resume from an evaluation step's checkpoint draws other numbers.
+EVALUATED = [
+    "data.demo_set=scenes",
+    "eval.every=1",
+    "eval.num_prompts=2",
+    "eval.num_steps=2",
+    "checkpoint.keep_best=true",
+]
+
+
+@pytest.fixture(scope="module")
+def straight_evaluated(tiny_checkpoint, tmp_path_factory):
+    """`straight` with an evaluation at every step."""
+    folder = tmp_path_factory.mktemp("pipelined_evaluated")
+    trainer, history = run(tiny_checkpoint, folder, *EVALUATED)
+    return folder, {k: v.clone() for k, v in lora_state_dict(trainer.transformer).items()}, history
+
+
+@pytest.mark.parametrize(
+    ("straight_run", "resume_from"),
+    [("straight", 1), ("straight", 2), ("straight_evaluated", 1)],
+    ids=["1", "2", "evaluated-1"],
+)
+def test_a_resumed_pipelined_run_ends_bitwise_equal(
+    request, tiny_checkpoint, tmp_path, straight_run, resume_from
+):
+    folder, lora, history = request.getfixturevalue(straight_run)
+    extra = EVALUATED if straight_run == "straight_evaluated" else []
     shutil.copytree(folder / "run", tmp_path / "run")
     for step, path in checkpoint_folders(tmp_path / "run" / "checkpoints"):
         if step > resume_from:
             shutil.rmtree(path)
-    trainer = OwnCopyTrainer(config(tiny_checkpoint, tmp_path, "resume=auto"))
+    trainer = OwnCopyTrainer(config(tiny_checkpoint, tmp_path, "resume=auto", *extra))
     try:
         assert trainer.resume("auto") is not None and trainer.step == resume_from
         again = trainer.train()
     finally:
         trainer.close()
     assert [h["step"] for h in again] == [1, 2, 3]
-    for key in ("reward/mean", "rollout/weights_version", "rollout/staleness"):
+    keys = ["reward/mean", "rollout/weights_version", "rollout/staleness"]
+    if extra:
+        keys.append("eval/reward/mean")
+    for key in keys:
+        assert [h[key] for h in again] == [h[key] for h in history], key
+    for k, v in lora_state_dict(trainer.transformer).items():
+        assert torch.equal(v, lora[k]), k
+
+
+def test_a_finished_pipelined_run_extended_equals_a_longer_straight_run(straight, tiny_checkpoint, tmp_path):
+    """``total_steps`` may grow on a resume: the last step's checkpoint keeps the batch the next step
+    would train on (not rolled out: its weights, data position and RNG states), so step 3 of a 2-step
+    run extended to 3 trains, like a straight 3-step run's, on a batch sampled with version 1."""
+    _, lora, history = straight
+    run(tiny_checkpoint, tmp_path, "total_steps=2")
+    (_, last), *_ = reversed(checkpoint_folders(tmp_path / "run" / "checkpoints"))
+    assert (last / ROLLOUT_POLICY).is_file()  # version 1, which the next step samples with
+    trainer = OwnCopyTrainer(config(tiny_checkpoint, tmp_path, "resume=auto"))  # total_steps=3
+    try:
+        assert trainer.resume("auto") == last and trainer.step == 2
+        again = trainer.train()
+    finally:
+        trainer.close()
+    for key in ("rollout/weights_version", "rollout/staleness", "reward/mean"):
+        assert [h[key] for h in again] == [h[key] for h in history], key
+    for k, v in lora_state_dict(trainer.transformer).items():
+        assert torch.equal(v, lora[k]), k
+
+
+@pytest.mark.parametrize("broken_step", [1, 2])
+def test_a_nonfinite_stop_without_a_committed_checkpoint_resumes_like_a_straight_run(
+    straight, tiny_checkpoint, tmp_path, monkeypatch, broken_step
+):
+    """The reward breaks in step k + 1 and ``reward.max_nonfinite_steps=1`` stops the run there; with
+    ``checkpoint.save_every=2`` no checkpoint of step k was committed, so the stop writes it. It is
+    step k's state, not the stop's: weights version k, and the batch step k + 1 trains on (sampled
+    with version k - 1, or the base; its data position and RNG states). Once the reward is repaired,
+    ``resume=auto`` goes on like the straight run, bitwise."""
+    _, lora, history = straight
+    # Call k + 1 scores step k + 1's batch (rolled out in step k; the first, in step 1).
+    monkeypatch.setattr(reward_fakes, "NAN_FROM_CALL", broken_step)
+    monkeypatch.setattr(reward_fakes, "calls", 0)
+    broken = [
+        "reward.rewards=[{name: 'tests.trainer.reward_fakes:global_noise_then_nan'}]",
+        "reward.max_nonfinite_steps=1",
+        "checkpoint.save_every=2",
+        "preflight=false",  # its step would be the reward's first call
+    ]
+    with pytest.raises(TrainingStopped, match="1 consecutive steps") as stopped:
+        run(tiny_checkpoint, tmp_path, *broken)
+    ((step, folder),) = checkpoint_folders(tmp_path / "run" / "checkpoints")
+    assert step == broken_step - 1 and str(folder) in str(stopped.value)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["weights_version"] == step
+    assert state["pipeline"] == {"step": step, "version": max(step - 1, 0)}
+    monkeypatch.setattr(reward_fakes, "NAN_FROM_CALL", None)
+    trainer = OwnCopyTrainer(config(tiny_checkpoint, tmp_path, "resume=auto", *broken))
+    try:
+        assert trainer.resume("auto") == folder and trainer.step == step
+        again = trainer.train()
+    finally:
+        trainer.close()
+    for key in ("reward/mean", "rollout/weights_version", "weights_version", "nonfinite_reward_samples"):
         assert [h[key] for h in again] == [h[key] for h in history], key
     for k, v in lora_state_dict(trainer.transformer).items():
         assert torch.equal(v, lora[k]), k

@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from boogu_data import PromptRecord
+from boogu_trainer import reward_server as reward_server_module
 from boogu_trainer.config import ConfigError, load_config
-from boogu_trainer.reward_server import RewardServer, is_loopback, main, serve
+from boogu_trainer.reward_server import PixelBudget, RewardServer, is_loopback, main, serve
 from boogu_trainer.rewards import RewardError, build_reward, validate_reward_spec
 from boogu_trainer.rewards import http as http_module
 from boogu_trainer.rewards.http import HttpReward
@@ -111,6 +112,7 @@ def test_health_names_the_reward_and_its_options(served) -> None:
         "status": "ok",
         "reward": "demo_brightness",
         "options": {"note": "test"},
+        "in_flight": {"pixels": 0, "max_pixels": 2 * 64 * 2**20, "waiting": 0},
     }
 
 
@@ -473,6 +475,165 @@ def test_the_pixels_of_a_request_are_bounded() -> None:
         scores = _client(server.url, batch_size=3)(_images(4, size=32), _records(4))
     assert [len(call[1]) for call in reward.calls] == [3, 1]
     assert torch.equal(scores, build_reward("demo_brightness")(_images(4, size=32), _records(4)))
+
+
+class _DecodeCounter:
+    """Counts the images the server has decoded and not yet scored (a reward call ends them)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.lock = threading.Lock()
+        self.live = self.peak = 0
+        decode = reward_server_module.decode_png
+
+        def counting(data, max_pixels):
+            array = decode(data, max_pixels)
+            with self.lock:
+                self.live += 1
+                self.peak = max(self.peak, self.live)
+            return array
+
+        monkeypatch.setattr(reward_server_module, "decode_png", counting)
+
+    def scored(self, n: int) -> None:
+        with self.lock:
+            self.live -= n
+
+
+def _raw_post(url: str, body: bytes) -> tuple[int, dict, dict]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_the_pixels_in_flight_are_bounded_and_the_excess_is_told_to_retry(monkeypatch) -> None:
+    """Six concurrent requests, room for two: two are decoded and scored, the other four wait
+    their turn, then get a 503 with a Retry-After; sent again they are scored. Nothing is lost."""
+    counter = _DecodeCounter(monkeypatch)
+    gate, entered = threading.Event(), threading.Event()
+    inner = build_reward("demo_brightness")
+
+    def gated(images, records):
+        entered.set()
+        assert gate.wait(30)
+        counter.scored(len(images))
+        return inner(images, records)
+
+    batches = [_images(4, size=8, seed=seed) for seed in range(6)]
+    client = HttpReward(url="http://127.0.0.1:1")
+    bodies = [
+        json.dumps(client.request_body(b.permute(0, 2, 3, 1).numpy(), _records(4))).encode() for b in batches
+    ]
+    answers: queue.Queue[tuple[int, tuple[int, dict, dict]]] = queue.Queue()
+    limits = {"max_pixels_per_request": 4 * 64, "max_pixels_in_flight": 2 * 4 * 64}
+    with serve(_Recording(fn=gated), queue_timeout_s=0.3, **limits) as server:
+        threads = [
+            threading.Thread(target=lambda i=i: answers.put((i, _raw_post(server.url, bodies[i]))))
+            for i in range(6)
+        ]
+        for thread in threads:
+            thread.start()
+        assert entered.wait(30)
+        # The reward is held: the four requests without room wait, then are refused.
+        refused = [answers.get(timeout=30) for _ in range(4)]
+        assert counter.peak == 8 and counter.live == 8  # two requests' images decoded, no more
+        gate.set()
+        done = [answers.get(timeout=30) for _ in range(2)]
+        for thread in threads:
+            thread.join(30)
+        assert all(status == 503 for _, (status, _, _) in refused)
+        for _, (_, headers, payload) in refused:
+            assert headers["Retry-After"] == "1" and payload["error"]["type"] == "overloaded"
+            assert re.search(
+                r"busy: this request's 256 pixels waited 0.3 s \(--queue-timeout-s\) for room in the "
+                r"512 pixels .*\(--max-pixels-in-flight\); retry after 1 s",
+                payload["error"]["message"],
+            )
+        # Sent again (what the http reward does with a 503), the refused ones are scored too.
+        again = [(i, _raw_post(server.url, bodies[i])) for i, _ in refused]
+        health = _client(server.url).health()
+    scores = {i: payload["scores"] for i, (status, _, payload) in done + again if status == 200}
+    assert sorted(scores) == list(range(6))
+    for i, batch in enumerate(batches):
+        assert scores[i] == inner(batch, _records(4)).tolist()
+    assert counter.peak == 8 and counter.live == 0
+    assert health["in_flight"] == {"pixels": 0, "max_pixels": 512, "waiting": 0}
+
+
+def test_requests_without_room_wait_their_turn_within_the_bound(monkeypatch) -> None:
+    """With a queue timeout to spare, concurrent clients are all scored, one request's pixels
+    decoded beside the one being scored at most (the default: twice the per-request limit)."""
+    counter = _DecodeCounter(monkeypatch)
+    inner = build_reward("demo_brightness")
+
+    def slow(images, records):
+        time.sleep(0.1)
+        counter.scored(len(images))
+        return inner(images, records)
+
+    batches = [_images(3, size=8, seed=seed) for seed in range(6)]
+    results: dict[int, torch.Tensor] = {}
+    with serve(_Recording(fn=slow), max_pixels_per_request=3 * 64) as server:
+        assert server.in_flight.limit == 2 * 3 * 64
+
+        def score(i: int) -> None:
+            results[i] = _client(server.url, retries=0)(batches[i], _records(3))
+
+        threads = [threading.Thread(target=score, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert sorted(results) == list(range(6))
+    for i, batch in enumerate(batches):
+        assert torch.equal(results[i], inner(batch, _records(3)))
+    assert counter.peak <= 6 and counter.live == 0
+
+
+def test_the_budget_admits_in_arrival_order() -> None:
+    """A large request waiting for room is not passed by a small one that would fit now."""
+    budget = PixelBudget(10)
+    assert budget.acquire(6, 0)
+    admitted: list[str] = []
+
+    def take(name: str, pixels: int) -> None:
+        assert budget.acquire(pixels, 30)
+        admitted.append(name)
+
+    large = threading.Thread(target=take, args=("large", 8))
+    large.start()
+    while budget.waiting < 1:
+        time.sleep(0.01)
+    small = threading.Thread(target=take, args=("small", 3))  # 6 + 3 would fit
+    small.start()
+    while budget.waiting < 2:
+        time.sleep(0.01)
+    assert not budget.acquire(1, 0.05)  # a third waits behind both and times out
+    assert admitted == [] and budget.used == 6
+    budget.release(6)
+    large.join(30)
+    assert admitted == ["large"] and budget.used == 8 and budget.waiting == 1  # 8 + 3 do not fit
+    budget.release(8)
+    small.join(30)
+    assert admitted == ["large", "small"] and budget.used == 3 and budget.waiting == 0
+
+
+def test_the_budget_in_flight_must_hold_a_whole_request(capsys) -> None:
+    with pytest.raises(ValueError, match=r"max_pixels_in_flight \(100\) must be at least max_pixels_per"):
+        RewardServer(_Recording(), max_pixels_per_request=200, max_pixels_in_flight=100)
+    flags = ["--max-pixels-per-request", "200", "--max-pixels-in-flight", "100"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--reward", "demo_brightness", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-pixels-in-flight (100) must be at least --max-pixels-per-request (200)" in err
+    with pytest.raises(SystemExit):
+        main(["--reward", "demo_brightness", "--queue-timeout-s", "-1"])
+    assert "--queue-timeout-s must be >= 0" in capsys.readouterr().err
 
 
 def _connect(url: str) -> socket.socket:

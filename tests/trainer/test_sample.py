@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import hashlib
 import io
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -409,3 +411,108 @@ def test_the_config_of_a_demo_run_loads_back(tmp_path):
     (tmp_path / "config.yaml").write_text(config_to_yaml(config))  # as a run writes it
     assert sample_cli.run_config(tmp_path) == config
     assert sample_cli.run_config(tmp_path, device="cuda").model.device == "cuda"
+
+
+# ---- bad arguments, bad files, a disk that refuses: named errors, nothing written ----------------
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--height", "0", "--height 0: expected a positive multiple of 16; leave it out for the run's size"),
+        ("--width", "-16", "--width -16: expected a positive multiple of 16"),
+        ("--guidance", "nan", "--guidance nan: expected a finite number >= 1"),
+        ("--guidance", "inf", "--guidance inf: expected a finite number >= 1"),
+        ("--guidance", "0.5", "--guidance 0.5: expected a finite number >= 1"),
+        ("--seed", str(10**20), f"--seed {10**20}: expected a whole number in [0, 2**63)"),
+        ("--seed", "-1", "--seed -1: expected a whole number in [0, 2**63)"),
+    ],
+)
+def test_sampling_arguments_that_would_be_silently_different_are_refused(
+    flag, value, problem, checkpoint, tmp_path, capsys
+):
+    args = ["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exit_info:
+        sample_cli.main([*args, flag, value])
+    assert exit_info.value.code == 2 and problem in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_more_images_than_memory_holds_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = ["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--output", str(out)]
+    assert sample_cli.main([*args, "--num-images", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"--num-images 100000000 for 1 prompt\(s\): 100000000 images of 32x32 at once need", err)
+    assert "more than the" in err and not out.exists()
+
+
+def test_a_run_whose_reward_cannot_be_imported_is_still_sampled(checkpoint, tmp_path, capsys):
+    """Sampling and merging score nothing: the run's rewards are not resolved, nor their modules imported."""
+    ckpt = copy_run(checkpoint, tmp_path / "run") / "checkpoints" / "step_000001"
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["reward"]["rewards"] = [{"name": "boogu_judge_on_another_machine:score", "weight": 1.0}]
+    replace_file(ckpt, "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+    args = ["--checkpoint", str(ckpt), "--prompt", PROMPT, "--steps", "1", "--output", str(tmp_path / "o")]
+    assert sample_cli.main(args) == 0, capsys.readouterr().err
+    assert (tmp_path / "o" / "samples.json").is_file()
+    assert sample_cli.main(["--checkpoint", str(ckpt), "--merge-to", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "merged_lora.json").is_file()
+
+
+def _disk_error(code: int):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(args[-1] if args else "?"))
+
+    return fail
+
+
+def test_an_output_that_cannot_be_written_is_found_before_sampling(checkpoint, tmp_path, monkeypatch, capsys):
+    def sampled(*args, **kwargs):
+        raise AssertionError("sampled before finding that the output cannot be written")
+
+    monkeypatch.setattr(sample_cli, "sample", sampled)
+    monkeypatch.setattr(sample_cli.tempfile, "mkdtemp", _disk_error(errno.EROFS))
+    out = tmp_path / "new" / "o"
+    args = ["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--output", str(out)]
+    assert sample_cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--output {out} cannot be written: Read-only file system ({tmp_path}); nothing was sampled" in err
+    assert sorted(tmp_path.iterdir()) == []  # not even the missing parent was made
+
+
+def test_a_disk_that_fills_up_while_writing_leaves_nothing(checkpoint, tmp_path, monkeypatch, capsys):
+    images = torch.zeros(2, 3, 32, 32, dtype=torch.uint8)
+    monkeypatch.setattr(sample_cli, "sample", lambda *a, **k: (images, ["a | LoRA step 1"] * 2))
+    monkeypatch.setattr(Image.Image, "save", _disk_error(errno.ENOSPC))
+    out = tmp_path / "o"
+    args = ["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--num-images", "2", "--output", str(out)]
+    assert sample_cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--output {out}: cannot be written: No space left on device (" in err
+    assert "nothing was written there" in err
+    monkeypatch.setattr("safetensors.torch.save_file", _disk_error(errno.ENOSPC))
+    assert sample_cli.main(["--checkpoint", str(checkpoint), "--merge-to", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert f"--merge-to {tmp_path / 'm'}: cannot be written: No space left on device" in err
+    assert sorted(tmp_path.iterdir()) == []  # no output, no staging folder
+
+
+@pytest.mark.parametrize(
+    ("contents", "problem"),
+    [
+        ([], r"json: expected a JSON object \(peft's LoraConfig: r, lora_alpha, \.\.\.\), got list"),
+        ({"r": 0, "lora_alpha": 8}, r"json: r=0: expected the LoRA rank, a whole number >= 1"),
+        ({"r": 4, "lora_alpha": "x"}, r"json: lora_alpha='x': expected a finite number > 0"),
+        ({"r": 8, "lora_alpha": 8}, r"json: r=8, but the run's config\.yaml has lora\.rank=4"),
+    ],
+)
+def test_an_adapter_config_that_matches_its_manifest_but_is_not_one(
+    contents, problem, checkpoint, tmp_path, capsys
+):
+    bad = tmp_path / "step_000001"
+    shutil.copytree(checkpoint, bad)
+    replace_file(bad, "adapter_config.json", json.dumps(contents).encode())
+    assert verify_checkpoint(bad) is None
+    assert sample_cli.main(["--checkpoint", str(bad), "--merge-to", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"boogu-sample: error: {bad / 'adapter_config.json'}") and re.search(problem, err)
+    assert not (tmp_path / "m").exists()

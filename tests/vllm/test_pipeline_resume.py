@@ -3,7 +3,8 @@
 
 Each trainer process launches its own worker from the rollout environment (direct backend, CPU).
 Killed and resumed must end bitwise equal to a straight pipelined run of 3 steps: LoRA, optimizer
-state, every step's reward, staleness and weights versions. The resume rolls the checkpoint's batch
+state, every step's reward, staleness and weights versions, and every step's evaluation (each
+checkpoint is of an evaluation step, and the reward draws from the global RNGs). The resume rolls the checkpoint's batch
 in flight out again in a fresh worker with the weights the checkpoint kept:
 
 * 1 rank, FlowGRPO: killed in step 2 after the update (step 3's rollout in the worker); the resume
@@ -45,6 +46,11 @@ PIPELINED = [
     "checkpoint.keep_last=2",
     "optim.lr=1e-2",
     GLOBAL_RNG_REWARD,
+    # An evaluation after every step, scored by the same reward: each checkpoint is of an evaluation
+    # step, whose reward draws must not move the training rewards' stream (docs/pipelining.md).
+    "data.demo_set=scenes",
+    "eval.every=1",
+    "eval.num_prompts=2",  # also the demo's held-out comparison at the end of each run: keep it short
 ]
 
 
@@ -58,7 +64,8 @@ def assert_same_run(straight: Path, killed: Path, *, on_policy_check: bool) -> N
     assert same(load_file(a / "optimizer.safetensors"), load_file(b / "optimizer.safetensors"))
     h, k = history(straight), history(killed)
     assert [m["step"] for m in k] == [1, 2, 3]
-    for key in ("reward/mean", "loss", "rollout/weights_version", "rollout/staleness", "weights_version"):
+    keys = ("reward/mean", "loss", "rollout/weights_version", "rollout/staleness", "weights_version")
+    for key in (*keys, "eval/reward/mean"):
         assert [m[key] for m in k] == [m[key] for m in h], key
     assert [m["rollout/staleness"] for m in h] == [0, 1, 1]
     assert [m["rollout/weights_version"] for m in h] == [0, 0, 1]

@@ -15,8 +15,27 @@ loader path runs on a laptop in seconds::
     scheduler/                scheduler_config.json with the released Boogu keys (+ shim)
 
 Every weight is random and seeded; the transformer's zero-initialised adaLN and output head are
-randomised too, so outputs are non-zero. The completion marker records :data:`BUILDER_VERSION`; a
-checkpoint from an older builder is rebuilt rather than reused.
+randomised too, so outputs are non-zero. The completion marker (:data:`MARKER_NAME`) records what the
+folder holds (``kind``: ``random`` with its ``seed`` and ``source_model``, or ``trained``: the
+committed pretrained checkpoint, with the hash of its manifest), :data:`BUILDER_VERSION`, and the size
+and SHA-256 of every other file (``files``).
+
+What a call may keep or replace (docs/tiny-model.md, "What boogu-tiny keeps and replaces"):
+
+- A folder is *complete* only when its marker names what the call asks for (kind, seed, source) and
+  every file it lists is there with its size and hash; then nothing is written.
+- A different model (``--trained`` over a random build, another ``--seed``) is replaced only with
+  ``force``; without it the call stops and says what is there and what was asked.
+- The same model from an older builder or older committed files, or with a listed file missing, is
+  rebuilt.
+- A folder is replaced only when every file in it, at any depth, is one the marker lists, unchanged
+  (:func:`boogu_data.atomic.check_replaceable`): a file of yours (``NOTES.txt``, ``my_lora/``) or a
+  changed shard stops the call with an error naming it, with or without ``force``; nothing is deleted.
+  A marker from before the file list (builder version 3 and older) stands for the released layout's
+  paths: ``model_index.json``, ``pretrain_report.json``, ``samples.png`` and the files directly in
+  the five component folders.
+- A failed write (disk full, read-only storage) is a :class:`CheckpointWriteError` naming the path,
+  and leaves no partial output.
 
 ``processor/`` and ``scheduler/`` are copied byte for byte from a local Boogu snapshot when one is
 given (``source_model=`` or the ``SOURCE_MODEL`` environment variable); its weight shards are never
@@ -34,18 +53,20 @@ call removes it, and puts back a previous checkpoint that a crash left under its
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import AutoencoderKL
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -54,7 +75,15 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from boogu_adapters import __version__
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
 from boogu_data import SYSTEM_PROMPT_T2I, SYSTEM_PROMPT_TI2I
-from boogu_data.atomic import commit_folder, recover_folder, remove_stale, stage_folder
+from boogu_data.atomic import (
+    check_replaceable,
+    commit_folder,
+    file_record,
+    folder_manifest,
+    recover_folder,
+    remove_stale,
+    stage_folder,
+)
 from boogu_schedule import make_generator
 
 __all__ = [
@@ -64,6 +93,7 @@ __all__ = [
     "MARKER_NAME",
     "TRAINED_ASSETS",
     "AssetError",
+    "CheckpointWriteError",
     "ensure_tiny_checkpoint",
     "ensure_trained_checkpoint",
     "is_complete_tiny_checkpoint",
@@ -91,14 +121,16 @@ MANIFEST_NAME = "manifest.json"
 MARKER_NAME = ".boogu-tiny.json"
 """Written last into a finished build; a folder without it is never treated as complete."""
 
-BUILDER_VERSION = 3
-"""Bumped whenever the builder writes different weights or configs for the same arguments. A
-complete checkpoint whose marker names another version (or none: version 1) is stale and is
+BUILDER_VERSION = 4
+"""Bumped whenever the builder writes different weights, configs or markers for the same arguments.
+A complete checkpoint whose marker names another version (or none: version 1) is stale and is
 rebuilt by :func:`ensure_tiny_checkpoint`, so a changed builder never silently reuses old weights.
 2: smooth, latent-following VAE decoder (see ``_init_smooth_decoder``) with one GroupNorm group.
 3: ``processor/`` in the released layout (``preprocessor_config.json``,
 ``video_preprocessor_config.json``, ``processor_class`` ``Qwen3VLProcessor``, no remote code);
-every weight file is byte for byte the version-2 one."""
+every weight file is byte for byte the version-2 one.
+4: the marker records ``kind`` and every file's size and SHA-256 (``files``), which each call checks;
+every other file is byte for byte the version-3 one."""
 
 DEFAULT_SEED = 42
 
@@ -201,6 +233,12 @@ from boogu.schedulers.scheduling_flow_match_euler_discrete_time_shifting import 
 __all__ = ["FlowMatchEulerDiscreteScheduler"]
 '''
 
+_SHIMS: dict[str, str] = {
+    "transformer/transformer_boogu.py": TRANSFORMER_SHIM,
+    "scheduler/scheduling_flow_match_euler_discrete_time_shifting.py": SCHEDULER_SHIM,
+}
+"""The remote-code shims every install writes (the committed pretrained files leave them out)."""
+
 # Prompt-like text the tiny tokenizer learns its merges from (with the two system prompts).
 _BPE_CORPUS: tuple[str, ...] = (
     'A photo of a red sign that says "OPEN" on a wooden door, the text written in white letters.',
@@ -234,10 +272,12 @@ def ensure_tiny_checkpoint(
     *,
     seed: int = DEFAULT_SEED,
 ) -> Path:
-    """Build the tiny random checkpoint at ``path`` unless a complete, current one is already there.
+    """Build the tiny random checkpoint at ``path`` unless a complete one of this seed and source is there.
 
-    A complete checkpoint written by an older builder (its marker's ``builder_version`` is not
-    :data:`BUILDER_VERSION`) is rebuilt in place, with the arguments of this call.
+    Complete means: the marker names a random build of ``seed`` (and of the same source snapshot, or
+    none) by this :data:`BUILDER_VERSION`, and every file it lists is there with its size and hash.
+    The same build from an older builder, or with a listed file missing, is rebuilt with the
+    arguments of this call. See the module docstring for what is never replaced.
 
     Args:
         path: target folder; ``~`` is expanded.
@@ -246,55 +286,251 @@ def ensure_tiny_checkpoint(
             environment variable; a value there that is not a local folder is ignored with a
             warning (the reference integration sets it to a hub id), an explicit argument that is
             not one is an error.
-        force: rebuild even when a complete checkpoint exists.
+        force: rebuild even when a complete checkpoint exists, and replace a boogu-tiny folder that
+            holds another model (another seed or source, or the pretrained one).
         seed: seeds the transformer (seed), the VAE (seed + 1) and the Qwen3-VL model (seed + 2).
 
     Returns:
         The absolute path of the finished checkpoint.
 
     Raises:
-        FileExistsError: ``path`` exists, is not empty and was not built by this function; it is
-            never deleted, even with ``force``.
+        FileExistsError: ``path`` is not a folder boogu-tiny wrote (no marker), it holds another
+            model and ``force`` is not set, or it holds a file boogu-tiny did not write or that
+            changed since (:class:`boogu_data.atomic.ForeignFilesError`, naming it). Nothing is
+            deleted then, even with ``force``.
         FileNotFoundError: ``source_model`` is not a folder with ``processor/`` and
             ``scheduler/scheduler_config.json``.
+        CheckpointWriteError: writing failed (disk full, read-only storage); nothing was left.
     """
     target = Path(path).expanduser().absolute()
+    source = _resolve_source(source_model, warn=False)
+    wanted = {"kind": "random", "seed": seed, "source_model": None if source is None else str(source)}
+
+    def build(staging: Path) -> None:
+        _build(staging, source=_resolve_source(source_model), seed=seed)
+
+    return _ensure(target, wanted, BUILDER_VERSION, force, build)
+
+
+def _ensure(
+    target: Path, wanted: dict[str, Any], version: Any, force: bool, build: Callable[[Path], None]
+) -> Path:
+    """Keep, build or replace ``target`` as the module docstring says; ``build(staging)`` writes a
+    finished folder (its marker without ``files``, which this adds)."""
     if recover_folder(target):
-        logger.warning("put back the checkpoint at %s that an interrupted rebuild had moved aside", target)
+        logger.warning("put back the checkpoint at %s that an interrupted build had moved aside", target)
     for stale in remove_stale(target.parent):
         logger.info("removed %s, left behind by an interrupted build", stale)
-    if is_complete_tiny_checkpoint(target):
-        if not force:
-            built_by = _builder_version(target)
-            if built_by == BUILDER_VERSION:
-                logger.info("tiny checkpoint at %s is complete; nothing to do", target)
-                return target
-            logger.warning(
-                "tiny checkpoint at %s was built by boogu-tiny builder version %s, this is version %d; "
-                "rebuilding it",
-                target,
-                built_by,
-                BUILDER_VERSION,
+    asked = _describe(wanted)
+    existing = _existing(target)
+    if existing is not None:
+        marker, files = existing
+        have = _identity(marker)
+        missing, changed = _file_problems(target, files)
+        current = files is not None and _version(marker) == version
+        if have == wanted and current and not missing and not changed and not force:
+            logger.info("%s at %s is complete; nothing to do", asked[0].upper() + asked[1:], target)
+            return target
+        if have != wanted and not force:
+            raise FileExistsError(
+                f"{target} holds {_describe(have)}, not {asked} as asked; refusing to replace it. Pass "
+                "--force (force=True) to replace it, or choose another folder (boogu-tiny never deletes "
+                "files it did not write)."
             )
-    elif target.exists() and not _is_empty_dir(target) and not (target / MARKER_NAME).is_file():
+        _check_replaceable(target, files)
+        if have == wanted and not force:
+            if files is None:
+                why = "its marker lists no files: an older boogu-tiny wrote it"
+            elif missing:
+                why = f"{missing[0]} is missing"
+            else:
+                why = "an older boogu-tiny, or older committed files, wrote it"
+            logger.warning("%s at %s is not current (%s); rebuilding it", asked, target, why)
+    try:
+        staging = stage_folder(target)
+    except OSError as error:
+        raise CheckpointWriteError(target, error) from None
+    try:
+        build(staging)
+        marker = _marker(staging)
+        marker["files"] = folder_manifest(staging, exclude=lambda name: name == MARKER_NAME)
+        _write_json(staging / MARKER_NAME, marker)
+        if not force and _is_complete(target, wanted, version):
+            # Another process (e.g. a second rank) finished the same build meanwhile: keep theirs.
+            shutil.rmtree(staging, ignore_errors=True)
+            return target
+        existing = _existing(target)
+        if existing is not None:  # what may be replaced is checked again right before the rename
+            _check_replaceable(target, existing[1])
+        commit_folder(staging, target)
+    except FileExistsError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointWriteError(target, error) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("wrote %s at %s", asked, target)
+    return target
+
+
+class CheckpointWriteError(OSError):
+    """The checkpoint could not be written (disk full, read-only storage, no permission).
+
+    Raised after the staging folder was removed: the target is as it was before the call. ``path``
+    is the checkpoint folder, ``reason`` what the system refused (with the file, when it says).
+    """
+
+    def __init__(self, path: Path, error: BaseException) -> None:
+        reason = (error.strerror or str(error)) if isinstance(error, OSError) else str(error)
+        filename = getattr(error, "filename", None)
+        if filename:
+            reason += f": {filename}"
+        super().__init__(getattr(error, "errno", None), reason)
+        self.path = Path(path)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return (
+            f"cannot write the tiny checkpoint at {self.path} ({self.reason}); nothing was written there "
+            "(the partial build was removed). Free space or choose a writable --output-dir."
+        )
+
+    def __reduce__(self):  # picklable as itself
+        return (_rebuild_write_error, (self.path, self.errno, self.reason))
+
+
+def _rebuild_write_error(path: Path, errno_: int | None, reason: str) -> CheckpointWriteError:
+    return CheckpointWriteError(path, OSError(errno_, reason))
+
+
+def _existing(target: Path) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """``(marker, files it records)`` of the boogu-tiny folder at ``target``; None for a missing or
+    empty folder. ``files`` is None for a marker from before the file list (:func:`_recorded_files`).
+
+    Raises:
+        FileExistsError: ``target`` is a file, or a folder with no readable marker.
+    """
+    if not os.path.lexists(target) or _is_empty_dir(target):
+        return None
+    marker = _marker(target) if target.is_dir() else {}
+    if not marker:
         raise FileExistsError(
             f"{target} exists and is not a tiny checkpoint built by boogu-tiny (no {MARKER_NAME}); "
             "refusing to replace it. Remove it yourself or choose another path."
         )
-    source = _resolve_source(source_model)
-    staging = stage_folder(target)
+    return marker, _recorded_files(marker)
+
+
+def _identity(marker: dict[str, Any]) -> dict[str, Any]:
+    """What model a marker says its folder holds (what a call asks for, in the same form)."""
+    kind = marker.get("kind") or ("trained" if "trained_assets" in marker else "random")
+    if kind == "trained":
+        return {"kind": "trained"}
+    return {"kind": kind, "seed": marker.get("seed"), "source_model": marker.get("source_model")}
+
+
+def _version(marker: dict[str, Any]) -> Any:
+    """Which build of its model a marker records: the committed files' hash for the pretrained one,
+    the builder version (1 when it records none) for a random one."""
+    if _identity(marker)["kind"] == "trained":
+        return marker.get("trained_assets")
+    return marker.get("builder_version", 1)
+
+
+def _describe(identity: dict[str, Any]) -> str:
+    if identity.get("kind") == "trained":
+        return "the pretrained tiny checkpoint (boogu-tiny --trained)"
+    if identity.get("kind") != "random":
+        return f"a boogu-tiny folder of kind {identity.get('kind')!r}"
+    source = identity.get("source_model")
+    copied = f", processor/ and scheduler/ copied from {source}" if source else ""
+    return f"the tiny random checkpoint (seed {identity.get('seed')}{copied})"
+
+
+def _recorded_files(marker: dict[str, Any], assets: Path = TRAINED_ASSETS) -> dict[str, Any] | None:
+    """The ``{name: {"bytes", "sha256"}}`` a marker records for its folder (the marker itself aside).
+
+    A marker from before the list has none; for a pretrained install of the committed files at hand
+    (its ``trained_assets`` is their manifest's hash) they are still known: the committed files and
+    the two shims. Otherwise None.
+    """
+    files = marker.get("files")
+    if isinstance(files, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+        for v in files.values()
+    ):
+        return files
+    trained = marker.get("trained_assets")
+    if (
+        trained is None
+        or not (assets / MANIFEST_NAME).is_file()
+        or _sha256(assets / MANIFEST_NAME) != trained
+    ):
+        return None
     try:
-        _build(staging, source=source, seed=seed)
-        if not force and _is_current(target):
-            # Another process (e.g. a second rank) finished the same build meanwhile: keep theirs.
-            shutil.rmtree(staging, ignore_errors=True)
-            return target
-        commit_folder(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    logger.info("built tiny Boogu checkpoint at %s", target)
-    return target
+        listed = json.loads((assets / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    files = {name: entry for name, entry in listed.items() if name != MARKER_NAME}
+    for name, text in _SHIMS.items():
+        data = text.encode("utf-8")
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return files
+
+
+def _file_problems(target: Path, files: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """(missing, changed): the listed files that are not at ``target``, and those whose size or hash
+    differ; both empty when ``files`` is None (nothing to check)."""
+    missing, changed = [], []
+    for name, expected in sorted((files or {}).items()):
+        path = target / name
+        if not path.is_file():
+            missing.append(name)
+        elif path.stat().st_size != expected["bytes"] or file_record(path)["sha256"] != expected["sha256"]:
+            changed.append(name)
+    return missing, changed
+
+
+# Where a folder from before the file list keeps files (the released layout, docs/upstream-model.md §10).
+_COMPONENTS = ("transformer", "vae", "mllm", "processor", "scheduler")
+_LEGACY_TOP_LEVEL = frozenset({"model_index.json", "pretrain_report.json", "samples.png"})
+
+
+def _check_replaceable(target: Path, files: dict[str, Any] | None) -> None:
+    """Refuse to replace ``target`` unless everything in it is boogu-tiny's (see the module docstring)."""
+    if files is None:  # a marker from before the file list: the layout's paths stand for it
+
+        def not_layout(name: str) -> bool:
+            folder, _, rest = name.partition("/")
+            return not (name in _LEGACY_TOP_LEVEL or (folder in _COMPONENTS and rest and "/" not in rest))
+
+        files = folder_manifest(target, exclude=not_layout)
+    check_replaceable(
+        target,
+        files,
+        command="boogu-tiny",
+        own=frozenset({MARKER_NAME}),
+        advice="Move your files out of it (or restore the changed file), or choose another folder.",
+    )
+
+
+def _is_complete(target: Path, wanted: dict[str, Any], version: Any) -> bool:
+    """Whether ``target`` holds ``wanted`` at ``version`` with every recorded file intact."""
+    try:
+        existing = _existing(target)
+    except FileExistsError:
+        return False
+    if existing is None or existing[1] is None:
+        return False
+    marker, files = existing
+    return (
+        _identity(marker) == wanted
+        and _version(marker) == version
+        and _file_problems(target, files) == ([], [])
+    )
 
 
 class AssetError(ValueError):
@@ -302,13 +538,7 @@ class AssetError(ValueError):
 
 
 def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return str(file_record(path)["sha256"])
 
 
 def _asset_files(root: Path) -> list[str]:
@@ -380,51 +610,34 @@ def ensure_trained_checkpoint(
 ) -> Path:
     """Put the committed pretrained tiny checkpoint at ``path`` (seconds: a verified copy, no training).
 
-    A complete copy of the same assets (its marker records the manifest's hash) is kept unless
-    ``force``; a folder that no boogu-tiny wrote is never replaced.
+    A complete install of the same committed files (its marker records the manifest's hash, and every
+    installed file still has its recorded size and hash) is kept unless ``force``; an install of
+    older committed files, or with a file missing, is replaced. What is never replaced is said in the
+    module docstring (a folder of another model needs ``force``; a file boogu-tiny did not write, or
+    one that changed since, is never deleted).
 
     Raises:
         AssetError: the committed files do not match their manifest.
-        FileExistsError: ``path`` exists, is not empty and was not written by boogu-tiny.
+        FileExistsError: as for :func:`ensure_tiny_checkpoint`.
+        CheckpointWriteError: writing failed (disk full, read-only storage); nothing was left.
     """
     target = Path(path).expanduser().absolute()
     source = Path(assets)
     verify_trained_assets(source)
     assets_hash = _sha256(source / MANIFEST_NAME)
-    if recover_folder(target):
-        logger.warning("put back the checkpoint at %s that an interrupted install had moved aside", target)
-    for stale in remove_stale(target.parent):
-        logger.info("removed %s, left behind by an interrupted build", stale)
-    if (
-        is_complete_tiny_checkpoint(target)
-        and not force
-        and _marker(target).get("trained_assets") == assets_hash
-    ):
-        logger.info("pretrained tiny checkpoint at %s is complete; nothing to do", target)
-        return target
-    if target.exists() and not _is_empty_dir(target) and not (target / MARKER_NAME).is_file():
-        raise FileExistsError(
-            f"{target} exists and is not a tiny checkpoint built by boogu-tiny (no {MARKER_NAME}); "
-            "refusing to replace it. Remove it yourself or choose another path."
-        )
-    staging = stage_folder(target)
-    try:
+
+    def install(staging: Path) -> None:
         for name in _asset_files(source):
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / name, staging / name)
-        (staging / "transformer" / "transformer_boogu.py").write_text(TRANSFORMER_SHIM, encoding="utf-8")
-        (staging / "scheduler" / "scheduling_flow_match_euler_discrete_time_shifting.py").write_text(
-            SCHEDULER_SHIM, encoding="utf-8"
-        )
+        for name, text in _SHIMS.items():
+            (staging / name).write_text(text, encoding="utf-8")
         marker = _marker(staging)
-        marker["trained_assets"] = assets_hash
+        marker.pop("files", None)  # the pretraining's list is of its random base, not of this folder
+        marker.update(kind="trained", trained_assets=assets_hash)
         _write_json(staging / MARKER_NAME, marker)
-        commit_folder(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    logger.info("installed the pretrained tiny Boogu checkpoint at %s", target)
-    return target
+
+    return _ensure(target, {"kind": "trained"}, assets_hash, force, install)
 
 
 def _marker(path: Path) -> dict[str, Any]:
@@ -436,25 +649,15 @@ def _marker(path: Path) -> dict[str, Any]:
 
 
 def is_complete_tiny_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` holds a finished build: the completion marker and every required file."""
+    """True when ``path`` holds a finished build: the completion marker and every required file.
+
+    A check of the layout only: :func:`ensure_tiny_checkpoint` and :func:`ensure_trained_checkpoint`
+    also check which model the marker names and every file's size and hash."""
     root = Path(path).expanduser()
     if not all((root / name).is_file() for name in _REQUIRED_FILES):
         return False
     processor = root / "processor"
     return processor.is_dir() and any(processor.iterdir())
-
-
-def _builder_version(path: Path) -> int | None:
-    """The builder version recorded in a build's marker (1 when it records none), None if unreadable."""
-    marker = _marker(path)
-    if not marker:
-        return None
-    version = marker.get("builder_version", 1)
-    return version if isinstance(version, int) else None
-
-
-def _is_current(path: Path) -> bool:
-    return is_complete_tiny_checkpoint(path) and _builder_version(path) == BUILDER_VERSION
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -476,7 +679,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="local Boogu snapshot to copy processor/ and scheduler/ from (default: $SOURCE_MODEL, else fabricate)",
     )
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete checkpoint exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even if a complete checkpoint exists, and replace a boogu-tiny folder holding another "
+        "model (files boogu-tiny did not write are never deleted)",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -495,6 +703,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"boogu-tiny: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # CheckpointWriteError, or the target cannot be read
+        print(f"boogu-tiny: error: {e}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 
@@ -519,6 +730,7 @@ def _build(root: Path, *, source: Path | None, seed: int) -> None:
     _write_json(
         root / MARKER_NAME,
         {
+            "kind": "random",
             "builder": "boogu_adapters.tiny",
             "builder_version": BUILDER_VERSION,
             "boogu_adapters_version": __version__,
@@ -784,7 +996,7 @@ def _write_scheduler(folder: Path) -> None:
     )
 
 
-def _resolve_source(source_model: str | os.PathLike[str] | None) -> Path | None:
+def _resolve_source(source_model: str | os.PathLike[str] | None, *, warn: bool = True) -> Path | None:
     explicit = source_model is not None
     if not explicit:
         source_model = os.environ.get("SOURCE_MODEL") or None
@@ -793,10 +1005,11 @@ def _resolve_source(source_model: str | os.PathLike[str] | None) -> Path | None:
     source = Path(source_model).expanduser()
     if not source.is_dir():
         if not explicit:
-            logger.warning(
-                "SOURCE_MODEL=%s is not a local folder; fabricating processor/ and scheduler/ instead",
-                source_model,
-            )
+            if warn:
+                logger.warning(
+                    "SOURCE_MODEL=%s is not a local folder; fabricating processor/ and scheduler/ instead",
+                    source_model,
+                )
             return None
         raise FileNotFoundError(
             f"source_model {os.fspath(source_model)!r} is not a local folder. Point it at a local Boogu "

@@ -24,28 +24,41 @@ Reading must work on read-only storage (a shared checkpoint mount, a copied run)
 dead writer's temporary or putting back a retired folder is refused (``EROFS``, ``EACCES``,
 ``EPERM``), :func:`remove_stale` and :func:`recover_folder` leave it as it is, log a warning naming
 it and go on.
+
+What a command may replace (one rule for every command that replaces an output folder: ``boogu-tiny``,
+``boogu-data scenes --overwrite``): a folder only when every file in it, at any depth, is one the
+command wrote itself, as its manifest records it (:func:`folder_manifest`: relative name, size and
+SHA-256). :func:`check_replaceable` raises :class:`ForeignFilesError` naming the first file that is
+not listed, or that changed since it was written; nothing is deleted then, whatever the options.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "FOREIGN_REASONS",
     "AtomicOutputs",
+    "ForeignFilesError",
     "atomic_file",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_replaceable",
     "commit_folder",
+    "file_record",
+    "folder_manifest",
+    "foreign_files",
     "fsync_dir",
     "owner_alive",
     "recover_folder",
@@ -414,3 +427,136 @@ class AtomicOutputs:
 
     def __exit__(self, *exc_info: object) -> None:
         self.abort()
+
+
+# ------------------------------------------------------------------------------ what may be replaced
+
+
+FOREIGN_REASONS: dict[str, str] = {
+    "unlisted": "which {command} did not write",
+    "changed": "which changed since {command} wrote it",
+    "link": "a link, which {command} never writes",
+    "empty folder": "an empty folder {command} did not make",
+}
+"""Why :func:`foreign_files` counts an entry as foreign, as the message of :class:`ForeignFilesError` says it."""
+
+
+def file_record(path: Path) -> dict[str, int | str]:
+    """``{"bytes": size, "sha256": hex digest}`` of the file at ``path``: one manifest entry."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _walk(root: Path) -> Iterator[tuple[str, Path, bool]]:
+    """(relative posix name, path, is a plain file) of every entry under ``root``, depth first, sorted.
+
+    Symbolic links are reported (as not plain files) and never followed.
+    """
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        name = entry.relative_to(root).as_posix()
+        if entry.is_dir() and not entry.is_symlink():
+            yield name, entry, False
+            for child, path, plain in _walk(entry):
+                yield f"{name}/{child}", path, plain
+        else:
+            yield name, entry, entry.is_file() and not entry.is_symlink()
+
+
+def folder_manifest(
+    root: Path, *, exclude: Callable[[str], bool] = lambda name: False
+) -> dict[str, dict[str, int | str]]:
+    """The manifest of every plain file under ``root`` (at any depth) whose relative name
+    ``exclude`` does not reject: ``{relative posix name: file_record}``, in name order."""
+    root = Path(root)
+    return {name: file_record(path) for name, path, plain in _walk(root) if plain and not exclude(name)}
+
+
+def foreign_files(
+    folder: Path, manifest: Mapping[str, Mapping[str, object]], *, own: frozenset[str] = frozenset()
+) -> list[tuple[str, str]]:
+    """What in ``folder`` (at any depth) was not written by the command whose ``manifest`` it is.
+
+    A plain file is the command's when ``manifest`` lists its relative name with its size and SHA-256
+    (or its name is in ``own``: the command's marker, which holds the manifest). Everything else is
+    foreign: a file not listed, a listed file whose size or hash changed, a symbolic link, and a folder
+    that is empty and holds no listed file's path (a folder with content is judged by its content).
+
+    Returns:
+        ``(relative name, reason)`` pairs in name order, the reason one of :data:`FOREIGN_REASONS`;
+        empty when the folder may be replaced.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    parents = {str(Path(name).parent.as_posix()) for name in manifest}
+    needed = set()
+    for parent in parents:
+        while parent not in ("", "."):
+            needed.add(parent)
+            parent = str(Path(parent).parent.as_posix())
+    found = []
+    for name, path, plain in _walk(folder):
+        if plain:
+            if name in own:
+                continue
+            expected = manifest.get(name)
+            if expected is None:
+                found.append((name, "unlisted"))
+                continue
+            actual = file_record(path)
+            if actual["bytes"] != expected.get("bytes") or actual["sha256"] != expected.get("sha256"):
+                found.append((name, "changed"))
+        elif path.is_symlink() or not path.is_dir():
+            found.append((name, "link"))
+        elif name not in needed and not any(path.iterdir()):
+            found.append((name + "/", "empty folder"))
+    return found
+
+
+class ForeignFilesError(FileExistsError):
+    """An output folder holds something its command did not write; the folder was left as it is.
+
+    ``folder`` is the folder, ``foreign`` the ``(relative name, reason)`` pairs of
+    :func:`foreign_files`; the message names the first of them and what to do.
+    """
+
+    def __init__(self, folder: Path, foreign: list[tuple[str, str]], *, command: str, advice: str) -> None:
+        self.folder = Path(folder)
+        self.foreign = list(foreign)
+        name, reason = self.foreign[0]
+        why = FOREIGN_REASONS[reason].format(command=command)
+        more = f" (and {len(self.foreign) - 1} more such entries)" if len(self.foreign) > 1 else ""
+        super().__init__(
+            f"{self.folder} holds {name}, {why}{more}; refusing to replace the folder (nothing was "
+            f"deleted). {advice}"
+        )
+
+    def __reduce__(self):  # picklable with its fields (OSError pickles its args only)
+        return (_rebuild_foreign, (self.folder, self.foreign, str(self)))
+
+
+def _rebuild_foreign(folder: Path, foreign: list[tuple[str, str]], message: str) -> ForeignFilesError:
+    error = ForeignFilesError.__new__(ForeignFilesError)
+    FileExistsError.__init__(error, message)
+    error.folder, error.foreign = folder, foreign
+    return error
+
+
+def check_replaceable(
+    folder: Path,
+    manifest: Mapping[str, Mapping[str, object]],
+    *,
+    command: str,
+    own: frozenset[str] = frozenset(),
+    advice: str = "Move your files out of it, or choose another output folder.",
+) -> None:
+    """Raise :class:`ForeignFilesError` unless everything in ``folder`` is ``command``'s own output
+    (see :func:`foreign_files`); a missing folder may always be written."""
+    foreign = foreign_files(folder, manifest, own=own)
+    if foreign:
+        raise ForeignFilesError(Path(folder), foreign, command=command, advice=advice)

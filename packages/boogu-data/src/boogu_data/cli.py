@@ -31,7 +31,7 @@ from boogu_data.errors import DatasetError
 from boogu_data.read import dataset_files, read_records
 from boogu_data.record import PromptRecord
 from boogu_data.scene_files import write_scenes
-from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, LAYOUTS
+from boogu_data.scenes import DEFAULT_COUNTS, DEFAULT_SIZE, LAYOUTS, MAX_COUNT
 from boogu_data.schema import SCHEMA_VERSION_KEY
 
 __all__ = ["build_parser", "main"]
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
             dest=f"{split}_count",
             type=int,
             default=DEFAULT_COUNTS[split],
-            help=f"{split} rows (default %(default)s)",
+            help=f"{split} rows, from 1 to {MAX_COUNT} (default %(default)s)",
         )
     scenes.add_argument(
         "--layout",
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     scenes.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier `boogu-data scenes` output in --output-dir",
+        help="replace an earlier `boogu-data scenes` output in --output-dir (only if every file in it, at "
+        "any depth, is one that output wrote, unchanged)",
     )
     return parser
 
@@ -211,6 +212,8 @@ def _scenes(args: argparse.Namespace) -> int:
     except ValueError as error:  # argument ranges: a usage error, one line, exit status 2
         print(f"boogu-data scenes: error: {error}", file=sys.stderr)
         return 2
+    for path in report.stale_removed:
+        print(f"boogu-data: note: removed {path}, left behind by a killed run", file=sys.stderr)
     if report.replaced:
         print(f"boogu-data: note: replaced the earlier output in {report.output_dir}", file=sys.stderr)
     for split, rows in report.rows.items():

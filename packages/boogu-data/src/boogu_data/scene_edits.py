@@ -27,9 +27,11 @@ Determinism: each split draws from ``random.Random("boogu-scene-edits/{seed}/{sp
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -49,6 +51,7 @@ from boogu_data.scenes import (
     VAL_PAIRS,
     Scene,
     SceneObject,
+    check_count,
     render_png,
     sample_scene,
 )
@@ -61,6 +64,7 @@ __all__ = [
     "EditInstruction",
     "SceneEdit",
     "generate_edits",
+    "iter_edits",
     "parse_instruction",
     "sample_edit",
 ]
@@ -289,17 +293,26 @@ def _split(edit: SceneEdit) -> str:
     return "train"
 
 
-def generate_edits(seed: int, split: str, count: int, *, layout: str = "free") -> list[SceneEdit]:
-    """``count`` edit pairs of ``split`` from the split's own seeded stream (``layout`` as in
-    :func:`boogu_data.scenes.sample_scene`)."""
+def iter_edits(seed: int, split: str, *, layout: str = "free") -> Iterator[SceneEdit]:
+    """The endless stream of :func:`generate_edits`, one pair at a time (take what you need)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     rng = random.Random(f"boogu-scene-edits/{seed}/{split}")
-    edits: list[SceneEdit] = []
-    while len(edits) < count:
+    while True:
         edit = sample_edit(rng, layout)
         if edit is not None and _split(edit) == split:
-            edits.append(edit)
-    return edits
+            yield edit
+
+
+def generate_edits(seed: int, split: str, count: int, *, layout: str = "free") -> list[SceneEdit]:
+    """``count`` edit pairs of ``split`` from the split's own seeded stream (``layout`` as in
+    :func:`boogu_data.scenes.sample_scene`).
+
+    Raises:
+        ValueError: ``count`` is not from 0 to :data:`boogu_data.scenes.MAX_COUNT`, or ``split`` or
+            ``layout`` is unknown.
+    """
+    check_count(count, minimum=0)
+    return list(itertools.islice(iter_edits(seed, split, layout=layout), count))

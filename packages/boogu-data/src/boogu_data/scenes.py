@@ -58,11 +58,12 @@ give byte-identical files.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import random
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -79,6 +80,7 @@ __all__ = [
     "GRID_SIZES",
     "LAYOUTS",
     "MARKER",
+    "MAX_COUNT",
     "NUMBERS",
     "PALETTE",
     "RELATIONS",
@@ -91,7 +93,9 @@ __all__ = [
     "Phrase",
     "Scene",
     "SceneObject",
+    "check_count",
     "generate_scenes",
+    "iter_scenes",
     "parse_caption",
     "render",
     "render_objects",
@@ -141,6 +145,11 @@ GAP: Final[int] = 4
 MIN_SHIFT: Final[int] = 16
 DEFAULT_SIZE: Final[int] = 64
 DEFAULT_COUNTS: Final[dict[str, int]] = {"train": 2000, "val": 200, "test": 200}
+MAX_COUNT: Final[int] = 100_000
+"""The most scenes (or edit pairs) of one split that :func:`generate_scenes` draws and ``boogu-data
+scenes`` writes: its image names have five digits (``images/<split>/<index:05d>.png``), and the
+slowest split's stream (``val``) yields a few hundred scenes a second on one CPU core, so this many
+take minutes, not days. A larger count is an error up front rather than a run that never ends."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,21 +460,41 @@ def sample_scene(rng: random.Random, layout: str = "free") -> Scene:
         return Scene(tag, objects, relation)
 
 
+def check_count(count: int, name: str = "count", *, minimum: int = 1) -> None:
+    """Refuse a scene count that is not an int from ``minimum`` to :data:`MAX_COUNT` (``name``: the
+    option or key to name in the message)."""
+    if isinstance(count, bool) or not isinstance(count, int) or not minimum <= count <= MAX_COUNT:
+        raise ValueError(
+            f"{name} must be an int from {minimum} to {MAX_COUNT} (the most scenes of one split that "
+            f"boogu-data draws: image names have five digits), got {count!r}"
+        )
+
+
+def iter_scenes(
+    seed: int, split: str, *, layout: str = "free", keep: Callable[[Scene], bool] | None = None
+) -> Iterator[Scene]:
+    """The endless stream of :func:`generate_scenes`, one scene at a time (take what you need)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    rng = random.Random(f"boogu-scenes/{seed}/{split}")
+    while True:
+        scene = sample_scene(rng, layout)
+        if split_of(scene) == split and (keep is None or keep(scene)):
+            yield scene
+
+
 def generate_scenes(
     seed: int, split: str, count: int, *, layout: str = "free", keep: Callable[[Scene], bool] | None = None
 ) -> list[Scene]:
     """``count`` scenes of ``split`` (:func:`split_of`), drawn from the split's own seeded stream
     (``layout``: see :func:`sample_scene`); with ``keep``, only the stream's scenes it accepts (a
-    subset of the same stream, in order)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    rng = random.Random(f"boogu-scenes/{seed}/{split}")
-    scenes: list[Scene] = []
-    while len(scenes) < count:
-        scene = sample_scene(rng, layout)
-        if split_of(scene) == split and (keep is None or keep(scene)):
-            scenes.append(scene)
-    return scenes
+    subset of the same stream, in order).
+
+    Raises:
+        ValueError: ``count`` is not from 0 to :data:`MAX_COUNT`, or ``split`` is unknown.
+    """
+    check_count(count, minimum=0)
+    return list(itertools.islice(iter_scenes(seed, split, layout=layout, keep=keep), count))
 
 
 # ---------------------------------------------------------------------------------------- writing

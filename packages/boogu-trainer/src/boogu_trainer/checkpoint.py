@@ -47,6 +47,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -54,7 +55,8 @@ import shutil
 import socket
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -193,6 +195,30 @@ def seed_global_rngs(seed: int) -> None:
     random.seed(seed)
 
 
+@contextmanager
+def seeded_global_rngs(seed: int, device: torch.device | str | None = None) -> Iterator[None]:
+    """The block draws from the global RNGs seeded with ``seed``; the states from before it (those of
+    ``device`` for CUDA) are put back after, so what draws outside it sees no draw made inside.
+
+    An evaluation scores under it: a user's reward that draws from the global RNGs then draws the
+    same numbers at every evaluation, and training's stream, which the checkpoints keep, has one
+    order whether evaluations run or not and whether rollouts are pipelined (docs/reliability.md)."""
+    # The states as the RNGs give them (not as `rng_state`'s tensors: an evaluation may run under a
+    # fake-tensor mode, the GPU dry run's, where a tensor made here would be fake).
+    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = device is not None and torch.device(device).type == "cuda"
+    cuda_state = torch.cuda.get_rng_state(torch.device(device)) if cuda else None
+    seed_global_rngs(seed)
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, torch.device(device))
+
+
 def rng_state(device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """This process's global RNG states: torch's CPU one, the CUDA one of ``device`` (when it is a CUDA
     device), numpy's legacy ``np.random`` and Python's ``random``, as tensors (safetensors-ready)."""
@@ -259,15 +285,30 @@ DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"
 """The diffusers-layout LoRA file of a checkpoint (diffusers' ``LORA_WEIGHT_NAME_SAFE``)."""
 
 
-def lora_scale(lora_config: Mapping[str, Any]) -> float:
-    """peft's LoRA scale for ``adapter_config.json``: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+def lora_scale(lora_config: Any, source: str | os.PathLike[str] = "adapter_config.json") -> float:
+    """peft's LoRA scale for ``adapter_config.json``: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+
+    A `CheckpointError` naming ``source``, the key and what is expected when the file's JSON is not
+    such a config (a file can match its manifest and still hold ``[]`` or ``"r": 0``)."""
+    if not isinstance(lora_config, Mapping):
+        raise CheckpointError(
+            f"{source}: expected a JSON object (peft's LoraConfig: r, lora_alpha, ...), "
+            f"got {type(lora_config).__name__} {str(lora_config)[:80]}"
+        )
     if lora_config.get("rank_pattern") or lora_config.get("alpha_pattern"):
         raise CheckpointError(
-            "per-module LoRA ranks or alphas (rank_pattern, alpha_pattern) are not supported"
+            f"{source}: per-module LoRA ranks or alphas (rank_pattern, alpha_pattern) are not supported"
         )
     # Absent keys take peft's LoraConfig defaults (r=8, lora_alpha=8), as PeftModel.from_pretrained does.
     r, alpha = lora_config.get("r", 8), lora_config.get("lora_alpha", 8)
-    return alpha / r**0.5 if lora_config.get("use_rslora") else alpha / r
+    rslora = lora_config.get("use_rslora", False)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise CheckpointError(f"{source}: r={r!r}: expected the LoRA rank, a whole number >= 1")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
+        raise CheckpointError(f"{source}: lora_alpha={alpha!r}: expected a finite number > 0")
+    if not isinstance(rslora, bool):
+        raise CheckpointError(f"{source}: use_rslora={rslora!r}: expected true or false")
+    return alpha / r**0.5 if rslora else alpha / r
 
 
 def diffusers_lora_state(
@@ -457,6 +498,10 @@ class RunFolderLock:
     lock; while the holder lives, a second writer (a ``resume=auto`` started while a killed job's
     ranks are still finishing, a second fresh run racing for the same name) is refused with an error
     naming the holder's pid and host. Taken and held by rank 0, the one rank that writes the folder.
+
+    A lock that had to create its folder (a fresh run) removes it again on `release` when the run
+    wrote nothing else there (a start-up that failed, a ``Trainer`` closed before it trained), with
+    the parent folders it created: a refused or failed start leaves no run folder behind.
     """
 
     NAME = ".lock"
@@ -464,6 +509,8 @@ class RunFolderLock:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self._file: Any = None
+        self._created: list[Path] = []
+        """The folders `acquire` created, innermost first."""
 
     @property
     def held(self) -> bool:
@@ -472,30 +519,55 @@ class RunFolderLock:
     def acquire(self) -> None:
         if self._file is not None:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / self.NAME
-        file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the life of the run)
-        try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            file.seek(0)
-            holder = file.read().strip() or "a process that has not written its name yet"
+        created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the life of the run)
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                file.seek(0)
+                holder = file.read().strip() or "a process that has not written its name yet"
+                file.close()
+                raise RunFolderLocked(
+                    f"{self.folder} is in use by another run ({holder}, holding {path}); a run folder has one "
+                    "writer at a time: wait for that run to end, stop it, or give this run another "
+                    "logging.name"
+                ) from None
+            # A holder that removed its empty folder on release unlinked the file we opened: the
+            # lock is then on a file no one else can find; open the folder's file again.
+            try:
+                same = os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             file.close()
-            raise RunFolderLocked(
-                f"{self.folder} is in use by another run ({holder}, holding {path}); a run folder has one "
-                "writer at a time: wait for that run to end, stop it, or give this run another "
-                "logging.name"
-            ) from None
+            self.folder.mkdir(parents=True, exist_ok=True)
+        else:
+            raise RunFolderLocked(f"{path} keeps being removed while this run takes it; try again")
         file.seek(0)
         file.truncate()
         file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
         file.flush()
         self._file = file
+        self._created = created
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the descriptor drops the flock
-            self._file = None
+        if self._file is None:
+            return
+        if self._created:  # still holding the lock: no other run can be starting in the folder
+            try:
+                if [p.name for p in self.folder.iterdir()] == [self.NAME]:
+                    (self.folder / self.NAME).unlink()
+                    for folder in self._created:
+                        folder.rmdir()  # OSError when not empty: someone else's now
+            except OSError:
+                pass
+        self._file.close()  # closing the descriptor drops the flock
+        self._file = None
+        self._created = []
 
 
 def _used(folder: Path) -> bool:
@@ -693,5 +765,7 @@ def check_resume_config(saved_yaml: str, config: TrainerConfig, folder: Path) ->
     raise CheckpointError(
         f"the config differs from the one {folder} was trained with, in keys that change the run's past:\n"
         f"{listed}\nRestore them, or accept the changes with resume_allow_changes=[{keys}] "
-        "(the new values then take effect from the next step)."
+        "(the new values then take effect from the next step). Keys that cannot change the numbers "
+        "(config.RESUME_FREE_KEYS) and other spellings of the same value (a path with a trailing slash, "
+        "model.device=auto for the device it resolves to) are accepted without it: docs/reliability.md."
     )

@@ -165,7 +165,8 @@ def preflight_only(config: TrainerConfig) -> int:
     # no run folder and leaves nothing behind.
     log_dir = tempfile.TemporaryDirectory(prefix="boogu-preflight-")
     try:
-        trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name))
+        # lock=False: it writes nothing into the run folder, so it neither creates nor locks it.
+        trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name), lock=False)
         report = run_preflight(trainer, raise_on_failure=False)
     except PreflightError as e:
         print(f"trainer: {e}", file=sys.stderr)
@@ -272,6 +273,15 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
         return 1
     except (CheckpointError, CollectiveTimeout, RolloutWorkerError) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
+        return 4
+    except OSError as e:  # a full or read-only disk under the run folder (docs/reliability.md)
+        where = f" {e.filename}" if e.filename else ""
+        print(
+            f"trainer: error: cannot write{where}: {e.strerror or e}. The run stopped; its committed "
+            "checkpoints are intact (each is written aside and committed by one rename): free space or "
+            "fix the permissions, then continue with resume=auto",
+            file=sys.stderr,
+        )
         return 4
     finally:
         if bar is not None:

@@ -12,6 +12,7 @@ import torch
 
 from boogu_data import PromptRecord, dataset_files, read_records
 from boogu_data.convert import first_quoted_span
+from boogu_data.scenes import MAX_COUNT
 from boogu_schedule import derive_seed, make_generator
 
 SCENES_SEED = 0
@@ -29,6 +30,12 @@ SCENE_SPLITS = ("train", "heldout", "val", "test")
   a prompt of the RL run;
 * ``val`` and ``test``: the scene set's own held-out colour-shape pairs (never in pretraining
   either: a generalisation check)."""
+OCR_DEMO_PROMPTS = 64
+"""How many built-in OCR prompts there are (the lines of ``assets/demo_prompts.txt``; a test pins it)."""
+MAX_DEMO_PROMPTS = MAX_COUNT
+"""The most built-in scene prompts of one split (:data:`boogu_data.scenes.MAX_COUNT`): the scene
+stream is drawn up front, so a count beyond it is refused when the config loads (``data.demo_prompts``,
+``eval.num_prompts``) instead of drawing until memory runs out."""
 
 
 def scene_caption_held_out(caption: str) -> bool:

@@ -53,7 +53,9 @@ def paired_summary(base: list[float], trained: list[float]) -> dict[str, float]:
 
 def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
     """Base vs trained on the trainer's evaluation prompts (every rank calls it: the sampling is
-    collective); rank 0 writes ``heldout.json`` and ``heldout_grid.png`` into ``run_dir``."""
+    collective); rank 0 writes ``heldout.json`` and ``heldout_grid.png`` into ``run_dir``. Call it
+    before ``trainer.close()``: the run folder's lock, held to then, keeps a concurrent resume from
+    writing the folder meanwhile (docs/reliability.md)."""
     evaluator = trainer.evaluator
     if not evaluator.records:
         raise ValueError(

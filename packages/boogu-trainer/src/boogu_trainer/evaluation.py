@@ -36,6 +36,7 @@ from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_file, atomic_write_text
 from boogu_schedule import WindowPlan
+from boogu_trainer.checkpoint import seeded_global_rngs
 from boogu_trainer.config import EvalConfig, SamplerConfig
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.metrics import sample_grid
@@ -162,8 +163,13 @@ class Evaluator:
         with self.dist.collective("evaluation"):
             traj = self.engine.generate(request)
         mb = self.micro_batch_size
-        train = self.rewards(traj.images, records, micro_batch_size=mb)
-        gold = self.gold_rewards(traj.images, records, micro_batch_size=mb) if self.separate_gold else train
+        # The rewards draw from global RNG states of their own (a user's reward may draw from them):
+        # the same numbers at every evaluation, and training's stream untouched (docs/reliability.md).
+        with seeded_global_rngs(self.seed, self.dist.device):
+            train = self.rewards(traj.images, records, micro_batch_size=mb)
+            gold = (
+                self.gold_rewards(traj.images, records, micro_batch_size=mb) if self.separate_gold else train
+            )
         # Gathered like the training rewards (equal shapes on every rank: the slots are padded).
         slot = self.dist.all_gather_cat(
             torch.tensor([-1 if i is None else i for i in slots], device=self.dist.device),

@@ -16,8 +16,15 @@ from pathlib import Path
 import torch
 
 from boogu_adapters.loading import BooguParts, load_boogu
-from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype, is_lora_param
-from boogu_trainer.config import TrainerConfig, resolved_model_dtype
+from boogu_adapters.lora import (
+    add_lora,
+    compute_lora_in_input_dtype,
+    expected_lora_shapes,
+    is_lora_param,
+    lora_module,
+    lora_pair_keys,
+)
+from boogu_trainer.config import ConfigError, TrainerConfig, resolved_model_dtype
 from boogu_trainer.preflight import lora_targets_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,12 +87,29 @@ def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
     )
 
 
+def check_lora_rank(transformer: torch.nn.Module, rank: int, target_modules) -> None:
+    """Refuse a ``lora.rank`` above every targeted module's ``min(in, out)``: ``B @ A`` can have no
+    higher rank there, so the excess only adds parameters (and a huge value would only fail for
+    memory, in the middle of building the adapter). Raises `ConfigError`."""
+    shapes = {name: tuple(p.shape) for name, p in transformer.named_parameters()}
+    expected = expected_lora_shapes(shapes, target_modules, 1)  # lora_A (1, in), lora_B (out, 1)
+    modules = {lora_module(key) for key in expected}
+    useful = {m: min(expected[lora_pair_keys(m)[0]][1], expected[lora_pair_keys(m)[1]][0]) for m in modules}
+    if useful and rank > max(useful.values()):
+        widest = max(useful, key=useful.__getitem__)
+        raise ConfigError(
+            f"lora.rank={rank}: expected at most {useful[widest]}, the largest min(in, out) of the "
+            f"{len(useful)} targeted modules ({widest}); a higher rank adds parameters, not expressiveness"
+        )
+
+
 def prepare_policy(transformer: torch.nn.Module, config: TrainerConfig) -> torch.nn.Module:
     """Freeze the base, add the LoRA of ``lora.*`` (seeded by ``seed``), then gradient checkpointing and
     regional compile from ``model.*``; returns ``transformer`` (changed in place)."""
     for p in transformer.parameters():
         p.requires_grad_(False)
     lora = config.lora
+    check_lora_rank(transformer, lora.rank, lora.target_modules)
     try:
         add_lora(
             transformer,

@@ -12,7 +12,14 @@ What a checkpoint of step k holds for the batch in flight (`InFlight`): the data
 prompts were drawn, the global RNG states before its rewards were scored (the trainer never draws
 from them, a user's reward may) and the weights it was sampled with. A resume puts those weights back in the
 engine, draws the same prompts and rolls them out again with the same seeds, so a killed pipelined
-run resumes bitwise (`Trainer.resume`).
+run resumes bitwise (`Trainer.resume`). The run's last step records the next batch the same way
+without rolling it out (`RolloutPipeline.defer`): a resume with a larger ``total_steps`` rolls it out
+with those weights, as a longer run would have.
+
+One order of the global RNG draws in both modes: training's rewards draw from the global states in
+step order (step k+1's while step k's update runs, here), and an evaluation draws from states of its
+own (`Evaluator.evaluate`), so an evaluation between steps k and k+1 moves nothing that step k+1's
+rewards, or a checkpoint of step k, depend on.
 
 Timing (`step_times`): the thread records when each rollout ran; a step's record says how much of
 its wall time a rollout was running (``time/rollout_busy``), how much of the update it overlapped
@@ -40,7 +47,8 @@ __all__ = ["InFlight", "RolloutPipeline", "overlap_seconds"]
 class InFlight:
     """A rollout requested for a later step: what it will train on, and what regenerates it."""
 
-    future: Future[tuple[SampledBatch, float, float]]
+    future: Future[tuple[SampledBatch, float, float]] | None
+    """The rollout on the thread; None: recorded, not requested (`RolloutPipeline.defer`)."""
     step: int
     """The step (0-based) that trains on it; its seeds drew the rollout."""
     version: int
@@ -51,6 +59,10 @@ class InFlight:
     """The prompt sampler's state before this batch's prompts were drawn."""
     rng: dict[str, torch.Tensor]
     """The global RNG states before its rewards were scored (a user's reward may draw from them)."""
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (with the data position and the RNG states, kept apart)."""
+        return {"step": self.step, "version": self.version, "lora": self.lora}
 
 
 def overlap_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:
@@ -94,6 +106,16 @@ class RolloutPipeline:
         self.in_flight = InFlight(future, step, version, lora, data_state, rng)
         return self.in_flight
 
+    def defer(self, step: int) -> InFlight:
+        """Record step ``step``'s batch (0-based) as `submit` would request it (the held weights, the
+        data position and global RNG states now) without rolling it out: the run's last step. Its
+        checkpoint keeps it, so a resume with a larger ``total_steps`` samples that batch with the
+        weights a longer run would have, one version stale (docs/pipelining.md)."""
+        assert self.held is not None, "RolloutPipeline.hold() records the engine's weights first"
+        version, lora = self.held
+        self.in_flight = InFlight(None, step, version, lora, self.data.state_dict(), rng_state(self.device))
+        return self.in_flight
+
     def _sample(self, records, group_offset: int, step: int) -> tuple[SampledBatch, float, float]:
         if self.device.type == "cuda":  # the current device is per thread: this rank's, not GPU 0
             torch.cuda.set_device(self.device)
@@ -103,6 +125,7 @@ class RolloutPipeline:
 
     def wait(self, flight: InFlight) -> SampledBatch:
         """The rollout of ``flight`` (its rewards scored); re-raises what the thread raised."""
+        assert flight.future is not None, f"step {flight.step + 1}'s batch was deferred, not requested"
         sampled, t0, t1 = flight.future.result()
         if (t0, t1) not in self._busy:
             self._busy.append((t0, t1))
@@ -128,14 +151,6 @@ class RolloutPipeline:
         overlap = overlap_seconds(self._busy, *update)
         self._busy = [(a, b) for a, b in self._busy if b > end]
         return {"time/rollout_busy": busy, "time/overlap": overlap, "time/trainer_idle": waited}
-
-    # ---- state ---------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps of the batch in flight (None: none is)."""
-        flight = self.in_flight
-        if flight is None:
-            return None
-        return {"step": flight.step, "version": flight.version, "lora": flight.lora}
 
     def close(self) -> None:
         """Stop the thread (after its rollout, which a closed engine ends quickly)."""

@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,9 +44,13 @@ from torch.utils._pytree import tree_flatten
 from boogu_schedule import uses_cfg
 
 __all__ = [
+    "FLOOR_BYTES_PER_PIXEL",
     "LiveBytes",
     "MemoryPlan",
     "PhaseMemory",
+    "batch_memory_problem",
+    "check_rollout_fits",
+    "device_memory_bytes",
     "fused_attention_stand_in",
     "plan_memory",
     "train_micro_batch_rows",
@@ -424,6 +429,62 @@ def _folder_configs(root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
 
     note = f"{root} has no transformer/, vae/ and mllm/ config.json here: the released configs are assumed"
     return dict(RELEASED_CONFIG), dict(RELEASED_VAE_CONFIG), RELEASED_MLLM_CONFIG, note
+
+
+FLOOR_BYTES_PER_PIXEL = 4
+"""What each image of a batch holds at once on its device, at least: the decoded image (uint8 RGB,
+3 bytes a pixel) and the final latent (16 float32 channels at 1/8 of each side, 1 byte a pixel). The
+rollout's trajectory, the conditioning and the activations come on top."""
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """The memory of ``device``: the host's RAM for the CPU, the GPU's for CUDA; None if unknown."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+            return None
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory
+    return None
+
+
+def batch_memory_problem(images: int, height: int, width: int, device: torch.device | str) -> str | None:
+    """Why ``images`` images of ``height x width`` generated at once cannot fit on ``device``, or None.
+
+    A floor (`FLOOR_BYTES_PER_PIXEL`), checked in microseconds before anything is loaded or written:
+    a batch refused here would fail for memory later, after the model loaded, or hang swapping."""
+    need = images * height * width * FLOOR_BYTES_PER_PIXEL
+    have = device_memory_bytes(device)
+    if have is None or need <= have:
+        return None
+    return (
+        f"{images} images of {height}x{width} at once need at least {need / GiB:,.1f} GiB for the images "
+        f"and final latents alone, more than the {have / GiB:,.1f} GiB of memory of {torch.device(device)}"
+    )
+
+
+def check_rollout_fits(
+    config: Any, device: torch.device | str, world_size: int = 1, edit: bool = False
+) -> None:
+    """Refuse a step whose rollout batch cannot fit on a rank's ``device`` (`batch_memory_problem`):
+    each rank rolls out its share of ``data.prompts_per_step`` groups of ``algorithm.group_size`` at
+    once. ``edit``: rows with references, whose outputs follow the references (16x16 at least), not
+    ``sampler.height x width``. Raises `ConfigError` naming both keys."""
+    from boogu_trainer.config import ConfigError
+
+    groups, size = config.data.prompts_per_step, config.algorithm.group_size
+    rows = -(-groups // max(world_size, 1)) * size
+    height, width = (16, 16) if edit else (config.sampler.height, config.sampler.width)
+    problem = batch_memory_problem(rows, height, width, device)
+    if problem is not None:
+        raise ConfigError(
+            f"algorithm.group_size={size} with data.prompts_per_step={groups} on {world_size} rank(s): "
+            f"a step rolls out {rows} images per rank; {problem}. Expected a batch that fits "
+            "(trainer --plan RECIPE estimates a step's whole peak)"
+        )
 
 
 def train_micro_batch_rows(config: Any, world_size: int = 1) -> int:

@@ -11,7 +11,10 @@ Standard library only (``http.server``): one reward instance, calls to it serial
 (requests are decoded in parallel), JSON errors (4xx for a bad request, 500 with the exception's
 message when the reward fails). A request is bounded in bytes (``--max-body-mb``), in pixels
 before any is decoded (``--max-pixels-per-image``, ``--max-pixels-per-request``) and in time: its
-line, headers and body must arrive within ``--request-timeout-s`` in all. It listens on a
+line, headers and body must arrive within ``--request-timeout-s`` in all. The server as a whole is
+bounded in the pixels of the requests it decodes or scores at once (``--max-pixels-in-flight``): a
+request that does not fit waits its turn, in arrival order, for at most ``--queue-timeout-s``, then
+is answered 503 with a ``Retry-After``. It listens on a
 loopback address only, unless ``--allow-remote``: the protocol has no TLS, and a bearer token
 (``--api-key-env``) is its only access control.
 """
@@ -19,6 +22,7 @@ loopback address only, unless ``--allow-remote``: the protocol has no TLS, and a
 from __future__ import annotations
 
 import argparse
+import collections
 import hmac
 import io
 import ipaddress
@@ -54,7 +58,10 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_PIXELS_PER_IMAGE",
     "DEFAULT_MAX_PIXELS_PER_REQUEST",
+    "DEFAULT_QUEUE_TIMEOUT_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
+    "RETRY_AFTER_S",
+    "PixelBudget",
     "RewardServer",
     "main",
     "serve",
@@ -76,14 +83,73 @@ as uint8 RGB they take 192 MiB, and the batch some copies of that; a black PNG c
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 """Seconds for a request's line, headers and body to arrive, in all (408, or a closed connection)."""
 
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+"""Seconds a request waits for room in ``max_pixels_in_flight`` before it is answered 503. Below the
+``http`` reward's default ``timeout_s`` (60), so a queued client hears the 503 and retries rather
+than giving up on an answer that would still come."""
+
+RETRY_AFTER_S = 1
+"""The ``Retry-After`` (seconds) of a 503 ``overloaded`` answer."""
+
 
 class _BadRequest(Exception):
-    """The request is malformed: answered 400 (or ``status``) with the message."""
+    """The request is malformed: answered 400 (or ``status``, with ``headers``) with the message."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "bad_request") -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        kind: str = "bad_request",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.headers = dict(headers or {})
+
+
+class PixelBudget:
+    """The pixels of the requests a server decodes or scores at once, at most ``limit`` in all.
+
+    `acquire` admits requests in arrival order (a large one is not passed by smaller ones behind
+    it) and waits at most ``timeout`` seconds for its turn and the room; `release` gives it back.
+    ``used`` is what is admitted now, ``waiting`` how many requests wait.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._queue: collections.deque[object] = collections.deque()
+        self._changed = threading.Condition()
+
+    @property
+    def waiting(self) -> int:
+        with self._changed:
+            return len(self._queue)
+
+    def acquire(self, pixels: int, timeout: float) -> bool:
+        """Whether ``pixels`` were admitted within ``timeout`` seconds (``pixels <= limit``)."""
+        ticket = object()
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            self._queue.append(ticket)
+            try:
+                while self._queue[0] is not ticket or self.used + pixels > self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._changed.wait(left)
+                self.used += pixels
+                return True
+            finally:
+                # Admitted or given up: the next in line may go now.
+                self._queue.remove(ticket)
+                self._changed.notify_all()
+
+    def release(self, pixels: int) -> None:
+        with self._changed:
+            self.used -= pixels
+            self._changed.notify_all()
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -108,16 +174,30 @@ class RewardServer(ThreadingHTTPServer):
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_pixels_per_image: int = DEFAULT_MAX_PIXELS_PER_IMAGE,
         max_pixels_per_request: int = DEFAULT_MAX_PIXELS_PER_REQUEST,
+        max_pixels_in_flight: int | None = None,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
     ) -> None:
+        if max_pixels_in_flight is None:
+            max_pixels_in_flight = 2 * max_pixels_per_request
         for option, value in [
             ("max_body_bytes", max_body_bytes),
             ("max_pixels_per_image", max_pixels_per_image),
             ("max_pixels_per_request", max_pixels_per_request),
+            ("max_pixels_in_flight", max_pixels_in_flight),
             ("request_timeout_s", request_timeout_s),
         ]:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"reward server: {option} must be a finite number > 0, got {value!r}")
+        wait = queue_timeout_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < float("inf"):
+            raise ValueError(f"reward server: queue_timeout_s must be a finite number >= 0, got {wait!r}")
+        if max_pixels_in_flight < max_pixels_per_request:
+            raise ValueError(
+                f"reward server: max_pixels_in_flight ({max_pixels_in_flight}) must be at least "
+                f"max_pixels_per_request ({max_pixels_per_request}), or a request the server accepts "
+                "could never be scored"
+            )
         if not allow_remote and not is_loopback(host):
             raise ValueError(
                 f"reward server: refusing to listen on {host!r}, which is not a loopback address "
@@ -133,7 +213,9 @@ class RewardServer(ThreadingHTTPServer):
         self.max_body_bytes = max_body_bytes
         self.max_pixels_per_image = max_pixels_per_image
         self.max_pixels_per_request = max_pixels_per_request
+        self.in_flight = PixelBudget(int(max_pixels_in_flight))
         self.request_timeout_s = float(request_timeout_s)
+        self.queue_timeout_s = float(queue_timeout_s)
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
@@ -192,30 +274,50 @@ class RewardServer(ThreadingHTTPServer):
             raise _BadRequest(
                 f"got {len(images)} images but {len(records)} records; record i describes image i"
             )
-        arrays = []
-        for i, data in enumerate(self._checked_pngs(images)):
-            try:
-                arrays.append(decode_png(data, self.max_pixels_per_image))
-            except ImageTooLarge as error:  # PIL's own bomb limit, when ours is set above it
-                raise _BadRequest(f"image {i}: {error}", 413, "too_many_pixels") from None
-            except ValueError as error:
-                raise _BadRequest(f"image {i}: {error}") from None
+        pngs, pixels = self._checked_pngs(images)
         parsed = []
         for i, record in enumerate(records):
             try:
                 parsed.append(record_from_json(record))
             except (TypeError, ValueError) as error:
                 raise _BadRequest(f"record {i}: {error}") from None
-        if not arrays:
+        if not pngs:
             return {"version": PROTOCOL_VERSION, "reward": self.reward_name, "scores": []}
+        # The decoded pixels are the memory a request costs (3 bytes each, copied a few times, and
+        # more inside the reward), far beyond its body: hold them to the server-wide budget.
+        if not self.in_flight.acquire(pixels, self.queue_timeout_s):
+            raise _BadRequest(
+                f"the server is busy: this request's {pixels} pixels waited {self.queue_timeout_s:g} s "
+                f"(--queue-timeout-s) for room in the {self.in_flight.limit} pixels it decodes and "
+                f"scores at once (--max-pixels-in-flight); retry after {RETRY_AFTER_S} s",
+                503,
+                "overloaded",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+        try:
+            return self._score_admitted(pngs, parsed)
+        finally:
+            self.in_flight.release(pixels)
+
+    def _score_admitted(self, pngs: list[bytes], records: list[Any]) -> dict[str, Any]:
+        arrays = []
+        for i, data in enumerate(pngs):
+            try:
+                arrays.append(decode_png(data, self.max_pixels_per_image))
+            except ImageTooLarge as error:  # PIL's own bomb limit, when ours is set above it
+                raise _BadRequest(f"image {i}: {error}", 413, "too_many_pixels") from None
+            except ValueError as error:
+                raise _BadRequest(f"image {i}: {error}") from None
         batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+        del arrays
         with self.lock:
-            values = self.reward(batch, parsed)
-        scores = scores_tensor(values, len(arrays), self.reward_name)
+            values = self.reward(batch, records)
+        scores = scores_tensor(values, len(batch), self.reward_name)
         return {"version": PROTOCOL_VERSION, "reward": self.reward_name, "scores": scores_to_json(scores)}
 
-    def _checked_pngs(self, images: list[object]) -> list[bytes]:
-        """The PNGs' bytes, once their headers fit the pixel limits and one size: nothing decoded yet."""
+    def _checked_pngs(self, images: list[object]) -> tuple[list[bytes], int]:
+        """The PNGs' bytes and their pixels in all, once their headers fit the pixel limits and one
+        size: nothing decoded yet."""
         pngs, sizes = [], []
         for i, image in enumerate(images):
             try:
@@ -244,7 +346,7 @@ class RewardServer(ThreadingHTTPServer):
         if len(set(sizes)) > 1:
             shapes = sorted({f"{width}x{height}" for width, height in sizes})
             raise _BadRequest(f"the images of one request must have one size, got {', '.join(shapes)}")
-        return pngs
+        return pngs, total
 
     def health(self) -> dict[str, Any]:
         return {
@@ -252,6 +354,11 @@ class RewardServer(ThreadingHTTPServer):
             "status": "ok",
             "reward": self.reward_name,
             "options": self.options,
+            "in_flight": {
+                "pixels": self.in_flight.used,
+                "max_pixels": self.in_flight.limit,
+                "waiting": self.in_flight.waiting,
+            },
         }
 
 
@@ -298,7 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
             payload = self._read_json()
             answer = self.server.score(payload)
         except _BadRequest as error:
-            self._error(error.status, error.kind, str(error))
+            self._error(error.status, error.kind, str(error), error.headers)
             return
         except Exception as error:
             logger.exception("reward %r failed", self.server.reward_name)
@@ -372,8 +479,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(401, "unauthorised", "missing or wrong bearer token (Authorization: Bearer ...)")
         return False
 
-    def _error(self, status: int, kind: str, message: str, allow: str | None = None) -> None:
-        headers = {"Allow": allow} if allow else {}
+    def _error(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+        allow: str | None = None,
+    ) -> None:
+        headers = dict(headers or {}) | ({"Allow": allow} if allow else {})
         self._send(
             status, {"version": PROTOCOL_VERSION, "error": {"type": kind, "message": message}}, headers
         )
@@ -426,7 +540,8 @@ def serve(
     Returns the started `RewardServer`: ``.url`` is where to point the ``http`` reward, and
     ``.close()`` stops it. ``kwargs`` are `RewardServer`'s (``options`` shown by ``/health``,
     ``allow_remote``, ``api_key``, ``max_body_bytes``, ``max_pixels_per_image``,
-    ``max_pixels_per_request``, ``request_timeout_s``).
+    ``max_pixels_per_request``, ``max_pixels_in_flight`` (default twice ``max_pixels_per_request``),
+    ``request_timeout_s``, ``queue_timeout_s``).
     """
     return RewardServer(reward, host, port, **kwargs).start()
 
@@ -460,6 +575,20 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_PIXELS_PER_REQUEST,
         help="most pixels the images of one request may have in all (default 64*2**20)",
+    )
+    parser.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=None,
+        help="most pixels of all the requests decoded or scored at once, server-wide (default twice "
+        "--max-pixels-per-request); a request that does not fit waits its turn",
+    )
+    parser.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=DEFAULT_QUEUE_TIMEOUT_S,
+        help="seconds a request waits for room in --max-pixels-in-flight before it is answered 503 "
+        "with a Retry-After (default 30)",
     )
     parser.add_argument(
         "--request-timeout-s",
@@ -496,6 +625,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]:
         if not 0 < value < float("inf"):
             parser.error(f"{flag} must be > 0, got {value}")
+    if args.max_pixels_in_flight is None:
+        args.max_pixels_in_flight = 2 * args.max_pixels_per_request
+    if args.max_pixels_in_flight < args.max_pixels_per_request:
+        parser.error(
+            f"--max-pixels-in-flight ({args.max_pixels_in_flight}) must be at least "
+            f"--max-pixels-per-request ({args.max_pixels_per_request}), or a request the server "
+            "accepts could never be scored"
+        )
+    if not 0 <= args.queue_timeout_s < float("inf"):
+        parser.error(f"--queue-timeout-s must be >= 0, got {args.queue_timeout_s}")
     api_key = None
     if args.api_key_env is not None:
         api_key = os.environ.get(args.api_key_env, "")
@@ -516,7 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_body_bytes=int(args.max_body_mb * 2**20),
             max_pixels_per_image=args.max_pixels_per_image,
             max_pixels_per_request=args.max_pixels_per_request,
+            max_pixels_in_flight=args.max_pixels_in_flight,
             request_timeout_s=args.request_timeout_s,
+            queue_timeout_s=args.queue_timeout_s,
         )
     except OSError as error:  # the port is taken, or the address is not this machine's
         address = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"

@@ -36,9 +36,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import json
 import logging
+import math
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,14 +116,20 @@ def read_lora(folder: Path, which: Literal["lora", "ema"] = "lora") -> TrainedLo
     run = run_config(folder).lora
     try:
         config = read_json(folder / "adapter_config.json")
+        scale = lora_scale(config, folder / "adapter_config.json")
         tensors = from_peft_keys(read_tensors(folder / name))
     except CheckpointError as error:
         raise SampleError(str(error)) from None
     except ValueError as error:
         raise SampleError(f"{folder / name}: {error}") from None
+    if config.get("r", 8) != run.rank:  # the scale alpha / r would be another than the run trained with
+        raise SampleError(
+            f"{folder / 'adapter_config.json'}: r={config.get('r', 8)!r}, but the run's config.yaml has "
+            f"lora.rank={run.rank}; the two are written together, so the checkpoint was altered"
+        )
     return TrainedLora(
         tensors=tensors,
-        scale=lora_scale(config),
+        scale=scale,
         source=folder / name,
         target_modules=run.target_modules,
         rank=run.rank,
@@ -129,11 +137,15 @@ def read_lora(folder: Path, which: Literal["lora", "ema"] = "lora") -> TrainedLo
 
 
 def run_config(folder: Path, device: str | None = None):
-    """The run's resolved config from the checkpoint's ``config.yaml`` (``model.device`` overridable)."""
+    """The run's resolved config from the checkpoint's ``config.yaml`` (``model.device`` overridable).
+
+    Its rewards are not resolved: sampling and merging score nothing, so a run whose reward module
+    cannot be imported here (another machine's package, a service's client) is still sampled."""
     from boogu_trainer.config import ConfigError, load_config
 
+    overrides = [f"model.device={device}"] if device else []
     try:
-        return load_config(folder / "config.yaml", [f"model.device={device}"] if device else [], saved=True)
+        return load_config(folder / "config.yaml", overrides, saved=True, check_rewards=False)
     except ConfigError as error:
         raise SampleError(f"{folder / 'config.yaml'}: {error}") from None
 
@@ -213,10 +225,19 @@ def sample(
     from boogu_trainer.distributed import resolve_device
     from boogu_trainer.evaluation import deterministic_request
     from boogu_trainer.models import load_base_parts
+    from boogu_trainer.plan import batch_memory_problem
 
     config = run_config(folder, device)
     trained = None if lora == "none" else read_lora(folder, lora)
     dev = resolve_device(config.model.device)
+    height, width = spec.height or config.sampler.height, spec.width or config.sampler.width
+    # Each prompt's images are generated at once on the device, and all of them kept on the host:
+    # refuse what cannot fit before the model loads (an edit follows its reference: 16x16 at least).
+    size = (16, 16) if spec.reference is not None else (height, width)
+    for images, where in ((spec.num_images, dev), (spec.num_images * len(spec.prompts), "cpu")):
+        problem = batch_memory_problem(images, *size, where)
+        if problem is not None:
+            raise SampleError(f"--num-images {spec.num_images} for {len(spec.prompts)} prompt(s): {problem}")
     if parts is None:
         parts = load_base_parts(config, dev)
     if trained is not None:
@@ -237,8 +258,8 @@ def sample(
             group_size=spec.num_images,
             num_steps=spec.steps or config.eval.num_steps,
             guidance_scale=config.sampler.guidance_scale if spec.guidance is None else spec.guidance,
-            height=spec.height or config.sampler.height,
-            width=spec.width or config.sampler.width,
+            height=height,
+            width=width,
             seed=seed,
             group_offset=i,
         )
@@ -273,7 +294,10 @@ def write_samples(
     from boogu_trainer.metrics import sample_grid
 
     output = check_target("--output", output, overwrite=overwrite, protected=protected)
-    staging = stage_folder(output)
+    try:
+        staging = stage_folder(output)
+    except OSError as error:
+        raise SampleError(f"--output {output}: {_write_error(error)}") from None
     try:
         files = []
         for j, image in enumerate(images):
@@ -283,10 +307,31 @@ def write_samples(
         sample_grid(images, list(captions), staging / "grid.png")
         (staging / SAMPLES_MARKER).write_text(json.dumps(files, indent=2))
         commit_folder(staging, output)
+    except OSError as error:  # a disk that filled up while writing: nothing is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise SampleError(f"--output {output}: {_write_error(error)}; nothing was written there") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return [output / f["file"] for f in files]
+
+
+def _write_error(error: OSError) -> str:
+    where = f" ({error.filename})" if error.filename else ""
+    return f"cannot be written: {error.strerror or error}{where}"
+
+
+def check_writable(flag: str, target: Path) -> None:
+    """Refuse, before any work, an output that could not be written: the folder it is built in (the
+    nearest that exists of its parents) must take a new folder, as the output's staging folder will
+    (a read-only or full disk). Creates and removes one empty folder there."""
+    parent = next(p for p in (target.parent, *target.parent.parents) if p.exists())
+    try:
+        Path(tempfile.mkdtemp(prefix=".boogu-sample-probe-", dir=parent)).rmdir()
+    except OSError as error:
+        raise SampleError(
+            f"{flag} {target} cannot be written: {error.strerror or error} ({parent}); nothing was sampled"
+        ) from None
 
 
 def _slug(text: str) -> str:
@@ -457,7 +502,10 @@ def merge_to(
     )
     if base.resolve() in output.parents:  # the copy of the base model would copy itself
         raise SampleError(f"--merge-to {output} is inside the base model {base}; choose a folder outside it")
-    staging = stage_folder(output)
+    try:
+        staging = stage_folder(output)
+    except OSError as error:
+        raise SampleError(f"--merge-to {output}: {_write_error(error)}") from None
     try:
         shutil.copytree(base, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
         for other in base.rglob("*.safetensors"):
@@ -487,6 +535,9 @@ def merge_to(
             )
         )
         commit_folder(staging, output)
+    except OSError as error:  # a disk that filled up while writing: nothing is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise SampleError(f"--merge-to {output}: {_write_error(error)}; nothing was written there") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -522,11 +573,17 @@ def _parser() -> argparse.ArgumentParser:
         "--guidance",
         type=float,
         metavar="G",
-        help="text CFG scale (default: the run's sampler.guidance_scale)",
+        help="text CFG scale, a finite number >= 1 (default: the run's sampler.guidance_scale)",
     )
-    parser.add_argument("--seed", type=int, metavar="S", help="seed (default: the run's seed)")
-    parser.add_argument("--height", type=int, help="output height (default: the run's sampler.height)")
-    parser.add_argument("--width", type=int, help="output width (default: the run's sampler.width)")
+    parser.add_argument("--seed", type=int, metavar="S", help="seed, in [0, 2**63) (default: the run's seed)")
+    parser.add_argument(
+        "--height",
+        type=int,
+        help="output height, a positive multiple of 16 (default: the run's sampler.height)",
+    )
+    parser.add_argument(
+        "--width", type=int, help="output width, a positive multiple of 16 (default: the run's sampler.width)"
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--no-lora", action="store_true", help="the base model alone")
     which.add_argument("--ema", action="store_true", help="the EMA of the LoRA weights instead of the LoRA")
@@ -568,6 +625,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--output OUT is required to write the images")
     if ns.num_images < 1 or (ns.steps is not None and ns.steps < 1):
         parser.error("--num-images and --steps must be at least 1")
+    # Given, a value is used as it is: 0 is not "the run's size" (leave the flag out for that).
+    for flag, value in (("--height", ns.height), ("--width", ns.width)):
+        if value is not None and value < 1:
+            parser.error(
+                f"{flag} {value}: expected a positive multiple of 16; leave it out for the run's size"
+            )
+    if ns.guidance is not None and not (math.isfinite(ns.guidance) and ns.guidance >= 1):
+        parser.error(f"--guidance {ns.guidance}: expected a finite number >= 1 (1 turns CFG off)")
+    if ns.seed is not None and not 0 <= ns.seed < 2**63:
+        parser.error(f"--seed {ns.seed}: expected a whole number in [0, 2**63), as the trainer's seed")
     lora: LoraChoice = "none" if ns.no_lora else "ema" if ns.ema else "lora"
     logging.basicConfig(
         level=os.environ.get("BOOGU_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
@@ -579,15 +646,19 @@ def main(argv: list[str] | None = None) -> int:
         from boogu_trainer.models import base_model_path
 
         protected = protected_folders(folder, base_model_path(run_config(folder, "cpu")))
-        targets = [
-            check_target(flag, path, overwrite=ns.overwrite, protected=protected)
-            for flag, path in (("--merge-to", ns.merge_to), ("--output", ns.output if prompts else None))
-            if path
+        wanted = [
+            (f, p)
+            for f, p in (("--merge-to", ns.merge_to), ("--output", ns.output if prompts else None))
+            if p
         ]
+        targets = [check_target(f, p, overwrite=ns.overwrite, protected=protected) for f, p in wanted]
         if len(targets) == 2 and _overlap(*targets):
             raise SampleError(
                 f"--merge-to {targets[0]} and --output {targets[1]} overlap; give them separate folders"
             )
+        # Before the model loads and samples: a read-only or full disk is found now, not after.
+        for (flag, _), target in zip(wanted, targets, strict=True):
+            check_writable(flag, target)
         if ns.merge_to:
             merged = merge_to(
                 folder, Path(ns.merge_to), lora="ema" if ns.ema else "lora", overwrite=ns.overwrite

@@ -60,7 +60,8 @@ from boogu_trainer.models import (
     load_base_parts,
     prepare_policy,
 )
-from boogu_trainer.pipeline import RolloutPipeline
+from boogu_trainer.pipeline import InFlight, RolloutPipeline
+from boogu_trainer.plan import check_rollout_fits
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.scoring import RolloutScorer, ScoredBatch
@@ -79,11 +80,31 @@ class StepResult:
     batch: ScoredBatch
 
 
+@dataclass
+class ResumePoint:
+    """Where step k+1 starts from, as a checkpoint of step k keeps it (`Trainer.state_dict`).
+
+    Taken live by a save at the end of step k, and at the start of step k+1 for a stop in its middle
+    (`Trainer._save_for_stop`), whose state has moved on by then.
+    """
+
+    data: dict[str, int]
+    """The prompt sampler's position before step k+1's prompts."""
+    rng: dict[str, torch.Tensor]
+    """This rank's global RNG states before step k+1's rewards are scored (`ckpt.rng_state`)."""
+    flight: InFlight | None
+    """Pipelined: the batch step k+1 trains on (rolled out, in flight, or deferred at the last step)."""
+    counters: dict[str, int]
+    """The learner's counters after step k."""
+    nonfinite_streak: int
+
+
 class Trainer:
     """One FlowGRPO run. ``train()`` runs to ``total_steps``; ``state_dict()`` is everything a resume needs.
 
     A fresh run never writes into a used run folder: ``self.config.run_path`` may differ from the
-    given config's (``name_1``, ...; ``self.run_note`` says so).
+    given config's (``name_1``, ...; ``self.run_note`` says so). The run folder is locked from the
+    constructor on, before anything is loaded, until `close` (or the end of a ``with`` block).
     """
 
     def __init__(
@@ -93,6 +114,7 @@ class Trainer:
         dist: DistEnv | None = None,
         parts: BooguParts | None = None,
         worker_log_dir: Path | None = None,
+        lock: bool = True,
     ):
         self.dist = dist or DistEnv.single(config.model.device, config.distributed.timeout_s)
         self.device = self.dist.device
@@ -110,7 +132,19 @@ class Trainer:
         config = self.config
         self.run_dir = config.run_path
         self.run_lock = ckpt.RunFolderLock(self.run_dir)
-        """Held (rank 0) from the first write of the run folder, `train` or `resume`, to its end."""
+        """Held (rank 0) from here, before the data, the model or a rollout worker are loaded, to
+        `close`: a second writer of a live run stops at once and writes nothing (docs/reliability.md).
+        ``lock=False`` (``trainer --preflight``, which writes nothing there) leaves it to `train`/`resume`."""
+        if lock:
+            self.lock_run_folder()
+        try:
+            self._start(config, parts, worker_log_dir)
+        except BaseException:
+            self.close()  # a launched rollout worker stops with a failed start; then the lock goes
+            raise
+
+    def _start(self, config: TrainerConfig, parts: BooguParts | None, worker_log_dir: Path | None) -> None:
+        """The data, the model, the rollout engine and the components (`_build_components`)."""
         ckpt.seed_global_rngs(config.seed)
         # The prompts before the model: a data error costs seconds, not a model load.
         self._train_rows = self._read_records(config.data.train_files, "data.train_files")
@@ -125,6 +159,9 @@ class Trainer:
                 f"({', '.join(config.data.train_files) or 'built-in demo prompts'}) hold only "
                 f"{len(self._train_rows[0])}; a step needs {config.data.prompts_per_step}"
             )
+        # Before the model, and before anything is written in the run folder (it holds only its lock).
+        edit = any(record.ref_image is not None for record in self._train_rows[0])
+        check_rollout_fits(config, self.device, self.dist.world_size, edit=edit)
         self.parts = parts if parts is not None else self._load_parts()
         self.transformer = prepare_policy(self.parts.transformer, config)
         if self.dist.enabled:
@@ -147,11 +184,7 @@ class Trainer:
         self.engine: RolloutEngine = (
             self.local_engine if config.rollout.engine == "local" else self._remote_engine()
         )
-        try:
-            self._build_components(config)
-        except BaseException:
-            self.close()  # a launched rollout worker stops with a failed start
-            raise
+        self._build_components(config)
 
     def _build_components(self, config: TrainerConfig) -> None:
         self.rewards = build_rewards(config.reward.rewards)
@@ -217,6 +250,8 @@ class Trainer:
         """Steps completed. Step ``self.step + 1`` is the next; its rollout and update are seeded by
         ``self.step`` (0-based), everything a person reads (logs, collectives, faults) says ``step k``."""
         self.nonfinite_streak = 0
+        self._step_start: ResumePoint | None = None
+        """Step k's end as step k+1 started from it: what a stop in step k+1 saves as step k."""
         self.preflight_report: PreflightReport | None = None
         self.last_evaluation: EvalResult | None = None
         """The latest evaluation of this process (the held-out comparison reuses that of the last step)."""
@@ -260,27 +295,41 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Stop what the run started outside this process (a launched rollout worker); unlock the run folder."""
-        self.run_lock.release()
-        if hasattr(self, "step_metrics"):
-            self.step_metrics.close()
-        if self.engine is not self.local_engine:
-            self.engine.close()  # first: a rollout in flight then ends at once
-        if getattr(self, "pipeline", None) is not None:
-            self.pipeline.close()
+        """Stop what the run started outside this process (a launched rollout worker), then unlock the
+        run folder: the lock is held to the end of everything that writes it, the demo's held-out
+        comparison after `train` included. Safe after a failed ``__init__`` and when called twice."""
+        try:
+            if hasattr(self, "step_metrics"):
+                self.step_metrics.close()
+            engine = getattr(self, "engine", None)
+            if engine is not None and engine is not getattr(self, "local_engine", None):
+                engine.close()  # first: a rollout in flight then ends at once
+            if getattr(self, "pipeline", None) is not None:
+                self.pipeline.close()
+        finally:
+            self.run_lock.release()  # last: a launched worker writes logs/ until it stops
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def lock_run_folder(self) -> None:
         """Take the run folder's lock on rank 0 (`ckpt.RunFolderLock`); every rank raises
         `ckpt.RunFolderLocked` when another live process holds it."""
-        error = None
+        error: tuple[bool, str] | None = None
         if self.dist.is_main:
             try:
                 self.run_lock.acquire()
             except ckpt.RunFolderLocked as e:
-                error = str(e)
+                error = (True, str(e))
+            except OSError as e:  # told to every rank, which would otherwise wait for rank 0
+                error = (False, f"cannot create and lock the run folder {self.run_dir}: {e}")
         error = self.dist.broadcast_object(error, "lock the run folder")
         if error is not None:
-            raise ckpt.RunFolderLocked(error)
+            locked, message = error
+            raise (ckpt.RunFolderLocked if locked else ckpt.CheckpointError)(message)
 
     def _read_records(self, files, key: str) -> tuple[list[PromptRecord], list[str]]:
         """The dataset's records and where each came from (the built-in demo prompts when ``files`` is
@@ -320,8 +369,8 @@ class Trainer:
 
     def train(self, progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         cfg = self.config
+        self.lock_run_folder()  # held since __init__ unless lock=False; kept until `close`
         self.preflight()
-        self.lock_run_folder()
         if self.metrics is None:
             self.metrics = self._open_metrics()
             self.metrics.truncate_to(0)
@@ -349,8 +398,7 @@ class Trainer:
                 if progress is not None:
                     progress(self.step, record)
         finally:
-            self.metrics.close()
-            self.run_lock.release()
+            self.metrics.close()  # the run lock stays: what follows a run (the held-out comparison) writes too
         return self.metrics.history
 
     def train_step(self) -> StepResult:
@@ -360,6 +408,7 @@ class Trainer:
         done, step, rank, meter = self.step, self.step + 1, self.dist.rank, self.step_metrics
         meter.start()
         fault_point("step_start", step, rank)
+        self._step_start = self._resume_point()
         records = self.data.next_batch()
         lo, hi = self.dist.shard(len(records))
         with (
@@ -372,9 +421,9 @@ class Trainer:
         with meter.phase("train"), self.dist.collective(f"update, step {step}"):
             update = self.learner.update(batch, step=done)
         fault_point("after_update", step, rank)
+        self._check_failures(update)  # a stop keeps the engine (and the EMA) at step k's weights
         with meter.phase("sync"), self.dist.collective(f"weight sync, step {step}"):
             self.publish_weights(version=step)
-        self._check_failures(update)
         metrics = meter.finish(
             batch, update, self._state_metrics(), remote=self.engine is not self.local_engine
         )
@@ -393,7 +442,8 @@ class Trainer:
                 pipe.hold(self.engine.weights_version, self._rollout_lora(None))
             pipe.submit(done)
         flight = pipe.in_flight
-        assert flight is not None and flight.step == done, (flight, done)
+        assert flight is not None and flight.future is not None and flight.step == done, (flight, done)
+        self._step_start = self._resume_point()
         waited = time.perf_counter()
         with meter.phase("rollout_wait"), self.dist.collective(f"rollout, step {step}"):
             sampled = pipe.wait(flight)
@@ -403,21 +453,21 @@ class Trainer:
         fault_point("after_rollout", step, rank)
         if step < self.config.total_steps:
             pipe.submit(step)  # step k+1's rollout, with the weights the engine holds now
-        else:
-            pipe.in_flight = None
+        else:  # recorded for a resume with more steps, not rolled out (docs/pipelining.md)
+            pipe.defer(step)
         update_start = time.perf_counter()
         with meter.phase("train"), self.dist.collective(f"update, step {step}"):
             update = self.learner.update(batch, step=done)
         update_span = (update_start, time.perf_counter())
         fault_point("after_update", step, rank)
-        if pipe.in_flight is not None:  # the sync must not change the weights under a rollout
+        if pipe.in_flight is not None and pipe.in_flight.future is not None:  # none under the sync
             t0 = time.perf_counter()
             with meter.phase("rollout_wait"):
                 pipe.wait(pipe.in_flight)
             waited += time.perf_counter() - t0
+        self._check_failures(update)  # a stop keeps the engine (and the EMA) at step k's weights
         with meter.phase("sync"), self.dist.collective(f"weight sync, step {step}"):
             self.publish_weights(version=step)
-        self._check_failures(update)
         staleness = done - flight.version
         extra = {
             **self._state_metrics(),
@@ -551,13 +601,16 @@ class Trainer:
     def _save_for_stop(self) -> Path:
         """The checkpoint a stop in the middle of step ``k + 1`` leaves (``k = self.step``).
 
-        The state now is not step k's: the data position, the RNG and the counters have moved on to
-        step k + 1, and an undone update has already moved AdamW's moments. So a committed checkpoint
-        of step k is kept untouched and named. Only when there is none is the state now written as
-        step k, because it is the only copy of the last good weights.
+        A committed checkpoint of step k is kept untouched and named. Only when there is none is step k
+        written now: the weights (a skipped update left them, an undone one put them back), and from
+        `_step_start` what has moved on since: the data position, the global RNG states, the batch
+        in flight (pipelined), the counters. The engine was not synced (`_check_failures` runs before
+        `publish_weights`), so it is a checkpoint of step k that a resume continues like any other.
+        An undone update has moved AdamW's moments, and, with DiffusionNFT, a skipped one the old
+        policy's average: those stay as they are (docs/reliability.md).
         """
         committed = self.checkpointer.committed(self.step)
-        return committed if committed is not None else self.save(step=self.step)
+        return committed if committed is not None else self.save(at=self._step_start)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _open_metrics(self) -> MetricsLogger:
@@ -602,33 +655,37 @@ class Trainer:
         sample_grid(traj.images[order], captions, folder / f"step_{self.step:04d}.png")
 
     # ---- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, at: ResumePoint | None = None) -> dict[str, Any]:
         """The run's state by component: what a checkpoint holds (`ckpt.contents_of` lays it out in
         files) and what the preflight puts back. Collectives under FSDP (the LoRA and the optimizer
-        state are gathered; so are the ranks' RNG states)."""
+        state are gathered; so are the ranks' RNG states). ``at``: where the next step starts from
+        (`ResumePoint`; by default as it is now)."""
+        point = at if at is not None else self._resume_point()
+        learner = self.learner.state_dict(lora=self._full_lora())
+        learner["counters"] = point.counters
         return {
             "trainer": {
                 "step": self.step,
-                "nonfinite_streak": self.nonfinite_streak,
+                "nonfinite_streak": point.nonfinite_streak,
                 "weights_version": self.engine.weights_version,
             },
-            "learner": self.learner.state_dict(lora=self._full_lora()),
-            # A batch in flight is regenerated on resume: the data position before its prompts.
-            "data": self.pipeline.in_flight.data_state
-            if self.pipeline is not None and self.pipeline.in_flight is not None
-            else self.data.state_dict(),
-            "pipeline": None if self.pipeline is None else self.pipeline.state(),
+            "learner": learner,
+            "data": point.data,
+            "pipeline": None if point.flight is None else point.flight.state(),
             "gold": self.gold.state_dict(),
             "totals": self.step_metrics.state_dict(),
-            "rng": ckpt.rng_states_of_ranks(self.dist.gather_objects(self._rng_state(), "rng gather")),
+            "rng": ckpt.rng_states_of_ranks(self.dist.gather_objects(point.rng, "rng gather")),
         }
 
-    def _rng_state(self) -> dict[str, torch.Tensor]:
-        """This rank's global RNG states as a checkpoint keeps them: with a batch in flight, those
-        before its rewards were scored (the resume scores it again)."""
-        if self.pipeline is not None and self.pipeline.in_flight is not None:
-            return self.pipeline.in_flight.rng
-        return ckpt.rng_state(self.device)
+    def _resume_point(self) -> ResumePoint:
+        """Where the next step starts from now. With a batch in flight (or deferred) the data position
+        before its prompts and the global RNG states before its rewards: a resume rolls it out again."""
+        flight = self.pipeline.in_flight if self.pipeline is not None else None
+        if flight is not None:
+            data, rng = flight.data_state, flight.rng
+        else:
+            data, rng = self.data.state_dict(), ckpt.rng_state(self.device)
+        return ResumePoint(data, rng, flight, dict(self.learner.counters), self.nonfinite_streak)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put every component back as `state_dict` gave it. The rollout engine is not touched: a resume
@@ -677,9 +734,9 @@ class Trainer:
             self._sync_engine(version, pending["lora"])
         self.pipeline.wait(self.pipeline.submit(self.step))  # done before the next sync
 
-    def save(self, step: int | None = None) -> Path:
+    def save(self, step: int | None = None, at: ResumePoint | None = None) -> Path:
         with self.dist.collective("checkpoint gather"):
-            state = self.state_dict()
+            state = self.state_dict(at)
         return self.checkpointer.save_state(self.step if step is None else step, state)
 
     def resume(self, spec: str) -> Path | None:
@@ -697,11 +754,14 @@ class Trainer:
             raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
         self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
         pending = state.get("pipeline")
-        if self.pipeline is not None and pending is not None:
-            self._roll_out_again(pending, folder)
-        # The engine adopts the loaded weights (those of the checkpoint's step, or the base at step 0).
-        version = max(int(state["trainer"]["weights_version"]), 1)
-        self._sync_engine(version, self._rollout_lora(None))
+        if self.pipeline is not None and pending is not None and self.step < self.config.total_steps:
+            self._roll_out_again(pending, folder)  # none when there is no step left to train on it
+        # The engine adopts the loaded weights, those of the checkpoint's step. Version 0 (a stop in
+        # step 1 writes step 0) is the base, which a fresh engine holds already: a sync would have to
+        # be version 1, which step 1 publishes (an engine refuses a version that is not newer).
+        version = int(state["trainer"]["weights_version"])
+        if version > 0 or self.engine.weights_version > 0:
+            self._sync_engine(max(version, 1), self._rollout_lora(None))
         self.metrics = self._open_metrics()
         self.metrics.truncate_to(self.step)
         return folder

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from boogu_trainer.config.checks import check_ignored_settings
 from boogu_trainer.config.fields import field_hints, leaves, record_type, type_name
-from boogu_trainer.config.sections import ConfigError, TrainerConfig
+from boogu_trainer.config.sections import CHECK_REWARD_SPECS, ConfigError, TrainerConfig
 
 
 def load_config(
@@ -37,13 +37,15 @@ def load_config(
     base: TrainerConfig | None = None,
     *,
     saved: bool = False,
+    check_rewards: bool = True,
 ) -> TrainerConfig:
     """Defaults (or ``base``), then the YAML recipe, then ``a.b=c`` overrides; ``${...}`` resolved,
     then validated as a whole. Raises `ConfigError` naming the dotted key.
 
     ``saved``: the recipe is a run's own ``config.yaml`` (every key written, the algorithm's unused
     ones included), so none of its keys counts as the user's choice for `check_ignored_settings`;
-    the overrides still do."""
+    the overrides still do. ``check_rewards=False``: the reward specs are not resolved (no reward
+    module is imported), for a caller that scores nothing (``boogu-sample``)."""
     node = _writable(OmegaConf.structured(TrainerConfig if base is None else base))
     given: set[str] = set()  # the dotted keys the recipe and the overrides set
     if recipe is not None:
@@ -56,6 +58,7 @@ def load_config(
         given |= set(leaves(data))
         _set_section(node, TrainerConfig, data, "")
     _resolve(node, TrainerConfig, "")
+    token = CHECK_REWARD_SPECS.set(check_rewards)
     try:
         config = OmegaConf.to_object(node)  # builds the frozen dataclasses: __post_init__ validates
     except ConfigError:
@@ -64,6 +67,8 @@ def load_config(
         raise ConfigError(f"{e.full_key or 'config'}: {_reason(e)}") from None
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    finally:
+        CHECK_REWARD_SPECS.reset(token)
     check_ignored_settings(config, given)
     return config
 
@@ -75,6 +80,11 @@ def _read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the recipe ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+            "save the recipe as UTF-8"
+        ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path}: {_reason(e)}") from None
     if not isinstance(loaded, DictConfig):

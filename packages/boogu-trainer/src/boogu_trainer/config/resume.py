@@ -4,12 +4,21 @@ A checkpoint stores `config_to_dict` of its run's config; on resume the checkpoi
 with the new one (`config_changes`), refuses a difference outside `RESUME_FREE_KEYS` and the
 recipe's ``resume_allow_changes``, and says when one of `RESUME_NOT_BITWISE_KEYS` changed
 (`resume_not_bitwise_changes`).
+
+The one rule: a key may change when it cannot change the numbers. Values are compared as the run
+uses them, so spellings of the same thing are no change: paths are normalised (``~``, a trailing
+slash, ``a/./b``; two spellings of one existing folder), ``model.device`` compares as its device
+type ('auto' is what it resolves to here) and ``model.dtype`` as the dtype it runs in on that
+device. A key the config does not use (`RESUME_CONDITIONAL_KEYS`: ``model.tiny_path`` when
+``model.path`` is set, ``rollout.vllm.*`` with the local engine) may differ when neither config
+uses it. Everything else is refused, naming the key, both values and ``resume_allow_changes``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from boogu_protocol import resolve_device_type
@@ -30,8 +39,20 @@ RESUME_FREE_KEYS: tuple[str, ...] = (
     "model.compile_bucket",
     "rollout.micro_batch_size",
     "algorithm.train_micro_batch_size",
+    # A warning threshold and a stop rule: they decide what is said and when the run stops, not a number.
+    "rollout.logprob_diff_warn",
+    "reward.max_nonfinite_steps",
+    # Where the rollout worker runs and how long it may take; what it computes (backend, dtype,
+    # engine_args, its environment: project, python) is not free.
+    "rollout.vllm.url",
+    "rollout.vllm.devices",
+    "rollout.vllm.startup_timeout_s",
+    "rollout.vllm.request_timeout_s",
+    # Which weights an evaluation judges (the EMA or the trained ones): not a number of training.
+    "ema.evaluate",
 )
-"""Keys (and sections) that may differ from a checkpoint's config on resume: they do not change the past."""
+"""Keys (and sections) that may differ from a checkpoint's config on resume: they do not change the
+past, nor the numbers of the steps to come (except `RESUME_NOT_BITWISE_KEYS`' rounding)."""
 
 RESUME_NOT_BITWISE_KEYS: tuple[str, ...] = (
     "model.compile",
@@ -42,6 +63,27 @@ RESUME_NOT_BITWISE_KEYS: tuple[str, ...] = (
 """Of `RESUME_FREE_KEYS`, those that change how the same numbers are computed (batch split, kernels):
 the run goes on as its recipe says, but float rounding differs (~1e-8), so it is no longer bitwise
 equal to an uninterrupted run. A resume that changes one says so."""
+
+RESUME_PATH_KEYS: tuple[str, ...] = (
+    "model.path",
+    "model.tiny_path",
+    "model.tiny_scenes_path",
+    "rollout.vllm.project",
+    "rollout.vllm.python",
+    "data.train_files",
+    "data.val_files",
+)
+"""Keys holding paths (or lists of paths): compared after normalising (`_same_path`)."""
+
+RESUME_CONDITIONAL_KEYS: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+    "model.tiny": lambda c: not c.get("model.path"),
+    "model.tiny_path": lambda c: not c.get("model.path") and c.get("model.tiny") == "random",
+    "model.tiny_scenes_path": lambda c: not c.get("model.path") and c.get("model.tiny") == "scenes",
+    "rollout.vllm": lambda c: c.get("rollout.engine") == "vllm_omni",
+}
+"""Keys (and sections) a config uses only in some settings: key -> whether a config (its dotted
+leaves) uses it (`models.base_model_path`, `Trainer._remote_engine`). A difference in such a key
+counts only when the checkpoint's config or the new one uses it."""
 
 
 def config_to_dict(config: TrainerConfig) -> dict[str, Any]:
@@ -69,34 +111,79 @@ def config_changes(
     this version cannot honour it either way. Lists, ``reward.rewards`` included, compare whole.
     """
     skip = (*RESUME_FREE_KEYS, *allowed)
-    before = leaves(_with_defaults(old, TrainerConfig))
-    after = leaves(_with_defaults(new, TrainerConfig))
-    return [
-        (key, before.get(key), value)
-        for key, value in after.items()
-        if not any(key == p or key.startswith(f"{p}.") for p in skip)
-        and _resolved(key, before.get(key)) != _resolved(key, value)
-    ]
+    return [change for change in _differences(old, new) if not _under(change[0], skip)]
 
 
 def resume_not_bitwise_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(dotted key, old value, new value)`` for each key of `RESUME_NOT_BITWISE_KEYS` that differs."""
+    return [change for change in _differences(old, new) if _under(change[0], RESUME_NOT_BITWISE_KEYS)]
+
+
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in prefixes)
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every leaf whose value, as the run uses it (`_resolved`), differs; keys neither config uses skipped."""
     before = leaves(_with_defaults(old, TrainerConfig))
     after = leaves(_with_defaults(new, TrainerConfig))
-    return [
-        (key, before.get(key), value)
-        for key, value in after.items()
-        if any(key == p or key.startswith(f"{p}.") for p in RESUME_NOT_BITWISE_KEYS)
-        and before.get(key) != value
-    ]
+    out = []
+    for key, value in after.items():
+        used = [uses for prefix, uses in RESUME_CONDITIONAL_KEYS.items() if _under(key, (prefix,))]
+        if used and not any(uses(before) or uses(after) for uses in used):
+            continue
+        a, b = _resolved(key, before.get(key), before), _resolved(key, value, after)
+        if a != b:
+            if before.get(key) == value:  # one spelling, two meanings: show what each run computes with
+                out.append((key, f"{value} (as {a})", f"{value} (as {b})"))
+            else:
+                out.append((key, before.get(key), value))
+    return out
 
 
-def _resolved(key: str, value: Any) -> Any:
-    # 'auto' and the dtype it stands for on this machine are the same run (a v0.2 checkpoint says
-    # float32 where this version's default says auto).
+def _resolved(key: str, value: Any, config: Mapping[str, Any]) -> Any:
+    """``value`` of ``key`` as the run uses it, given the rest of its ``config`` (dotted leaves)."""
+    if key == "model.device" and isinstance(value, str):
+        return resolve_device_type(value)  # 'auto' is cpu on a machine without CUDA; cuda:1 is cuda
+    # 'auto' and the dtype it stands for on the config's device are the same run (a v0.2 checkpoint
+    # says float32 where this version's default says auto).
     if key == "model.dtype" and isinstance(value, str):
-        return resolved_model_dtype(value, resolve_device_type("auto"))
+        device = config.get("model.device")
+        return resolved_model_dtype(value, resolve_device_type(device if isinstance(device, str) else "auto"))
+    if key in RESUME_PATH_KEYS:
+        return _PathValue(value)
     return value
+
+
+class _PathValue:
+    """A path setting (a string, "" for none, or a list of them) that equals another spelling of it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _PathValue):
+            return NotImplemented
+        a, b = self.value, other.value
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(_same_path(x, y) for x, y in zip(a, b, strict=True))
+        return _same_path(a, b)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    """Two path settings that name the same file or folder: equal after ``~`` expansion and
+    normalisation (a trailing slash, ``./``, ``a/../b``), or two spellings of one existing file."""
+    if not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+        return a == b  # "" (no path: the tiny model) is not a spelling of any folder
+    x, y = (os.path.normpath(os.path.expanduser(p)) for p in (a, b))
+    if x == y:
+        return True
+    try:
+        return os.path.samefile(x, y)
+    except OSError:  # either is missing: only the spelling can tell
+        return False
 
 
 def _with_defaults(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
