@@ -184,12 +184,13 @@ def run_one(
                     with trainer.learner.ema_weights():
                         ema_gold = _evaluation(trainer, step)
                     ema = paired_summary(base, ema_gold)
+                    over_trained = paired_summary(gold, ema_gold)
                     entry.update(
                         ema_gold=ema["trained"],
                         ema_gain=ema["diff"],
                         ema_se_gain=ema["se_diff"],
-                        ema_minus_trained=paired_summary(gold, ema_gold)["diff"],
-                        ema_minus_trained_se=paired_summary(gold, ema_gold)["se_diff"],
+                        ema_minus_trained=over_trained["diff"],
+                        ema_minus_trained_se=over_trained["se_diff"],
                     )
                 eval_s += time.perf_counter() - t0
                 evaluations.append(entry)
