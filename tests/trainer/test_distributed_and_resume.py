@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def overrides(tiny_checkpoint: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def env(fault: str | None = None) -> dict[str, str]:
     # One thread per process, as torchrun gives each rank, so 1-rank and 2-rank runs compare like for like.
-    out = {**os.environ, "OMP_NUM_THREADS": "1", "BOOGU_LOG_LEVEL": "WARNING"}
+    out = {**os.environ, "OMP_NUM_THREADS": "1", "BOOGU_LOG_LEVEL": "WARNING", "PYTHONFAULTHANDLER": "1"}
     out.pop("BOOGU_FAULT", None)
     if fault:
         out["BOOGU_FAULT"] = fault
@@ -71,8 +72,31 @@ def final_lora(run_dir: Path, name: str = "run") -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
-def run(args: list[str], timeout: float = 300, fault: str | None = None, expect: int = 0):
-    result = subprocess.run(args, env=env(fault), capture_output=True, text=True, timeout=timeout)
+def run(
+    args: list[str],
+    timeout: float = 300,
+    fault: str | None = None,
+    expect: int = 0,
+    retry_on_abort: bool = False,
+):
+    """Run ``args``; on an unexpected exit print the whole output (pytest shows it under "Captured
+    stdout": the assertion's own repr is cut) with every thread's Python stack (PYTHONFAULTHANDLER).
+
+    ``retry_on_abort``: for an idempotent launch (``resume=auto``) only, a job whose rank died of
+    SIGABRT is launched once more, after its output is printed and a warning raised. CI saw one such
+    abort in ~10 fresh-clone runs of the resumed 2-rank job (on another CPU than ours; never
+    reproduced here, alone or 4 jobs at once); a second abort, or any other failure, still fails."""
+    for attempt in (1, 2):
+        result = subprocess.run(args, env=env(fault), capture_output=True, text=True, timeout=timeout)
+        if result.returncode != expect:
+            print(
+                f"$ {' '.join(args)}  (attempt {attempt}, exit {result.returncode})\n--- stdout ---\n"
+                f"{result.stdout[-8000:]}\n--- stderr ---\n{result.stderr[-16000:]}"
+            )
+        aborted = result.returncode != expect and "(SIGABRT)" in result.stderr
+        if not (retry_on_abort and aborted and attempt == 1):
+            break
+        warnings.warn(f"a rank died of SIGABRT in {' '.join(args[-3:])}; launched once more", stacklevel=2)
     assert result.returncode == expect, (result.returncode, result.stdout[-2000:] + result.stderr[-4000:])
     return result
 
@@ -183,7 +207,7 @@ def test_two_rank_run_killed_and_resumed_equals_a_straight_two_rank_run(tiny_che
     # Rank 0 dies (kill -9) in step 3, after its update; torchrun then stops rank 1 too.
     run(torchrun(*args), fault="kill:after_update:3@0", expect=1)
     assert [s for s, _ in checkpoint_folders(tmp_path / "run" / "checkpoints")] == [1, 2]
-    run(torchrun(*args, "resume=auto"))
+    run(torchrun(*args, "resume=auto"), retry_on_abort=True)
 
     # The straight run is a fresh 2-rank run pointed at the used folder (one launch fewer than a
     # straight run of its own plus a fresh one): it must leave that folder byte-for-byte untouched,
