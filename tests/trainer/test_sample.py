@@ -325,7 +325,29 @@ def test_overwrite_replaces_only_an_earlier_output_of_the_same_option(sandbox, c
     assert sample_cli.main([*common, str(out), "--overwrite"]) == 2
     assert "looks like a run" in capsys.readouterr().err and (out / "keep" / "metrics.jsonl").is_file()
     (out / "keep" / "metrics.jsonl").unlink()
-    assert sample_cli.main([*common, str(out), "--overwrite"]) == 0 and not (out / "keep").exists()
+    # Nor anything else its samples.json does not list: an empty folder, a file of the user's.
+    assert sample_cli.main([*common, str(out), "--overwrite"]) == 2
+    assert "keep (not listed in its samples.json)" in capsys.readouterr().err and (out / "keep").is_dir()
+    (out / "keep").rmdir()
+    (out / "notes.txt").write_text("mine")
+    assert sample_cli.main([*common, str(out), "--overwrite"]) == 2
+    assert "notes.txt (not listed" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    assert sample_cli.main([*common, str(out), "--overwrite"]) == 0 and (out / "samples.json").is_file()
+    # A merged model: a file of the user's or a changed file is kept; one the merge wrote is replaced.
+    (merged / "transformer" / "notes.txt").write_text("mine")
+    assert sample_cli.main([*merge, str(merged), "--overwrite"]) == 2
+    assert "notes.txt (not in its merged_lora.json)" in capsys.readouterr().err
+    (merged / "transformer" / "notes.txt").unlink()
+    with (merged / "transformer" / "config.json").open("a") as f:
+        f.write(" ")
+    assert sample_cli.main([*merge, str(merged), "--overwrite"]) == 2
+    assert "config.json (changed since it was written)" in capsys.readouterr().err
+    marker = json.loads((merged / "merged_lora.json").read_text())
+    del marker["files"]  # an older boogu-sample's marker vouches for nothing
+    (merged / "merged_lora.json").write_text(json.dumps(marker))
+    assert sample_cli.main([*merge, str(merged), "--overwrite"]) == 2
+    assert "without a file list" in capsys.readouterr().err
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no temporaries
 
 

@@ -121,6 +121,33 @@ def test_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
+def test_an_earlier_build_is_replaced_only_when_nothing_else_is_in_it(quick_builds, tmp_path: Path) -> None:
+    from boogu_trainer.tiny_pretrain import REPORT_NAME, PretrainConfig, check_output_folder, pretrain
+
+    folder, _, report = quick_builds
+    assert "samples.png" in report["files"] and REPORT_NAME not in report["files"]
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    check_output_folder(copy, REPORT_NAME, "boogu-tiny-pretrain")  # an earlier build, file for file
+    # A file of the user's deep inside an earlier build: refused before any work, nothing touched.
+    (copy / "transformer" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"transformer/notes\.txt"):
+        pretrain(copy, PretrainConfig.quick(), log=lambda _: None)
+    assert (copy / "transformer" / "notes.txt").read_text() == "mine"
+    (copy / "transformer" / "notes.txt").unlink()
+    # A build's file changed since: also not the command's to replace.
+    with (copy / "samples.png").open("ab") as f:
+        f.write(b"x")
+    with pytest.raises(FileExistsError, match=r"samples\.png"):
+        check_output_folder(copy, REPORT_NAME, "boogu-tiny-pretrain")
+    # A report without the file list (an older build) cannot vouch for the rest of the folder.
+    older = json.loads((copy / REPORT_NAME).read_text())
+    del older["files"]
+    (copy / REPORT_NAME).write_text(json.dumps(older))
+    with pytest.raises(FileExistsError, match="lists no files"):
+        check_output_folder(copy, REPORT_NAME, "boogu-tiny-pretrain")
+
+
 def test_evaluate_scores_a_built_checkpoint_without_building(quick_builds, capsys) -> None:
     from boogu_trainer.tiny_pretrain import main
 

@@ -396,13 +396,42 @@ def check_target(
             f"{flag} {target} is not an earlier `boogu-sample {flag}` output (no valid {marker}; it holds "
             f"{_names(entries)}); --overwrite replaces only those: choose a new folder"
         )
-    foreign = _foreign(target, flag)
+    foreign = _foreign(target, flag) or _not_written(target, flag)
     if foreign:
         raise SampleError(
             f"{flag} {target} holds {foreign}, which boogu-sample did not write; it never deletes that "
-            "(not even with --overwrite): choose a new folder"
+            "(not even with --overwrite): move it out or choose a new folder"
         )
     return target
+
+
+def _not_written(target: Path, flag: str) -> str | None:
+    """The first entry of an earlier output that its marker does not list as boogu-sample's, or None.
+
+    ``--output``: its plain top-level files named in `SAMPLES_MARKER`, ``grid.png`` and the marker
+    (the images are not hashed: a changed image of the command's own is replaced). ``--merge-to``:
+    the files in `MERGE_MARKER`'s manifest, each with its size and SHA-256
+    (`boogu_data.atomic.foreign_files`); a marker without one (an older boogu-sample) vouches for
+    nothing."""
+    from boogu_data.atomic import foreign_files
+
+    record = json.loads((target / (SAMPLES_MARKER if flag == "--output" else MERGE_MARKER)).read_text())
+    if flag == "--output":
+        allowed = {SAMPLES_MARKER, "grid.png", *(r["file"] for r in record)}
+        for entry in sorted(target.iterdir()):
+            if entry.name not in allowed or entry.is_symlink() or not entry.is_file():
+                return f"{entry} (not listed in its {SAMPLES_MARKER})"
+        return None
+    if not isinstance(record.get("files"), dict):
+        return (
+            f"{target / MERGE_MARKER} without a file list (an older boogu-sample), so the rest is unvouched"
+        )
+    found = foreign_files(target, record["files"], own=frozenset({MERGE_MARKER}))
+    if found:
+        name, reason = found[0]
+        why = {"unlisted": f"not in its {MERGE_MARKER}", "changed": "changed since it was written"}
+        return f"{target / name} ({why.get(reason, reason)})"
+    return None
 
 
 def _overlap(a: Path, b: Path) -> bool:
@@ -482,7 +511,7 @@ def merge_to(
     from safetensors.torch import load_file, save_file
 
     from boogu_adapters.lora import lora_pair_keys
-    from boogu_data.atomic import commit_folder, stage_folder
+    from boogu_data.atomic import commit_folder, folder_manifest, stage_folder
     from boogu_trainer.models import base_model_path
 
     config = run_config(folder, "cpu")
@@ -530,6 +559,8 @@ def merge_to(
                     "scale": trained.scale,
                     "modules": len(trained.modules),
                     "base_model": str(base),
+                    # What a later --overwrite may replace: every file written, with size and SHA-256.
+                    "files": folder_manifest(staging, exclude=lambda name: name == MERGE_MARKER),
                 },
                 indent=2,
             )

@@ -49,11 +49,13 @@ from boogu_trainer.tiny_pretrain import (
     PretrainConfig,
     _save_transformer,
     _to_unit,
+    check_output_folder,
     ode_samples,
     report_header,
     train_transformer,
     training_sigmas,
     verdict_grid,
+    write_report,
 )
 
 __all__ = ["EditPretrainConfig", "edit_pretrain", "main"]
@@ -207,10 +209,7 @@ def edit_pretrain(
 ) -> dict[str, Any]:
     """Build the tiny Edit checkpoint into ``output_dir`` (atomic); returns the report."""
     output = Path(output_dir).expanduser().absolute()
-    if output.exists() and any(output.iterdir()) and not (output / REPORT_NAME).is_file():
-        raise FileExistsError(
-            f"{output} exists and is not a boogu-tiny-edit-pretrain output; refusing to replace it"
-        )
+    check_output_folder(output, REPORT_NAME, "boogu-tiny-edit-pretrain")
     torch.set_num_threads(config.threads)
     base = Path(config.base).expanduser()
     if str(config.base) == DEFAULT_TRAINED_PATH:
@@ -299,9 +298,9 @@ def edit_pretrain(
             ignore=shutil.ignore_patterns("pretrain_report.json", "samples.png", ".boogu-tiny.json"),
         )
         _save_transformer(ema, staging / "transformer")
-        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         assert grid is not None
         grid.save(staging / "samples.png")
+        write_report(staging, REPORT_NAME, report)
         commit_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -79,7 +79,7 @@ from boogu_adapters.tiny import (
 )
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
-from boogu_data.atomic import commit_folder, stage_folder
+from boogu_data.atomic import check_replaceable, commit_folder, folder_manifest, stage_folder
 from boogu_data.scenes import COLOURS, NUMBERS, RELATIONS, SHAPES, generate_scenes, render
 from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forward_noise, make_generator
 from boogu_schedule.sde import Sampler
@@ -577,10 +577,7 @@ def pretrain(
 ) -> dict:
     """Build the pretrained tiny checkpoint into ``output_dir`` (atomic); returns the report."""
     output = Path(output_dir).expanduser().absolute()
-    if output.exists() and any(output.iterdir()) and not (output / REPORT_NAME).is_file():
-        raise FileExistsError(
-            f"{output} exists and is not a boogu-tiny-pretrain output; refusing to replace it"
-        )
+    check_output_folder(output, REPORT_NAME, "boogu-tiny-pretrain")
     torch.set_num_threads(config.threads)
     times: dict[str, float] = {}
     begin = time.perf_counter()
@@ -696,14 +693,46 @@ def pretrain(
             (staging / "scheduler" / "scheduler_config.json").write_text(
                 json.dumps(scheduler, indent=2, sort_keys=True) + "\n", encoding="utf-8"
             )
-            (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
             verdict_grid(grid_images, grid_verdicts).save(staging / "samples.png")
+            write_report(staging, REPORT_NAME, report)
             commit_folder(staging, output)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     log(f"wrote {output} in {times['total'] / 60:.1f} min")
     return report
+
+
+def check_output_folder(output: Path, report_name: str, command: str) -> None:
+    """Refuse, before any work, to build into a folder holding anything ``command`` did not write.
+
+    A missing or empty folder may be written. A non-empty one only when it is an earlier build of the
+    same command, file for file: its report (``report_name``) lists every file the build wrote with
+    its size and SHA-256 (:func:`write_report`), and nothing else may be there (a file of yours, a
+    changed file, a link: `boogu_data.atomic.foreign_files`). The folder is left as it is on refusal."""
+    if not output.exists() or not any(output.iterdir()):
+        return
+    report = output / report_name
+    if not report.is_file():
+        raise FileExistsError(f"{output} exists and is not a {command} output; refusing to replace it")
+    try:
+        files = json.loads(report.read_text(encoding="utf-8"))["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise FileExistsError(
+            f"{output}: its {report_name} lists no files (a build older than this command's file "
+            f"manifest), so what else is in the folder cannot be told apart; refusing to replace it. "
+            "Delete the folder yourself, or choose another output folder"
+        ) from None
+    check_replaceable(output, files, command=command, own=frozenset({report_name}))
+
+
+def write_report(staging: Path, report_name: str, report: dict[str, Any]) -> None:
+    """Write ``report`` as the build's last file, with the manifest of every other file under
+    ``"files"`` (what :func:`check_output_folder` lets a later build replace)."""
+    report["files"] = folder_manifest(staging, exclude=lambda name: name == report_name)
+    (staging / report_name).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
 def report_header(config: Any, times: dict[str, float]) -> dict[str, Any]:
