@@ -364,6 +364,18 @@ def write_json(path: str | None, figures: Mapping[str, Any]) -> None:
         print(f"figures written to {path}")
 
 
+def write_json_atomic(path: str | None, figures: Mapping[str, Any]) -> None:
+    """Write ``figures`` (as they are, unrounded) to ``path`` through a temporary file and a rename:
+    a run killed mid-write leaves the previous complete file, never half of one. For scripts that
+    rewrite their JSON after every case (``gpu_path.py``, ``gpu_scale.py``)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures, f, indent=2)
+    os.replace(tmp, path)
+
+
 def environment() -> dict[str, Any]:
     import platform
 

@@ -6,8 +6,9 @@
 #   env          torch / CUDA / diffusers / transformers / peft versions, every workspace package
 #                importable from packages/*/src, and (on cuda) a CUDA device;
 #   gpu_path     the transformer's GPU path at the released size and 1024x1024 (benchmarks/gpu_path.py):
-#                sample-forwards/s, MFU, peak memory, the SDPA backend of every attention call, bf16
-#                vs fp32 LoRA products in a training step, eager vs regional compile;
+#                sample-forwards/s, MFU, peak memory, the rollout forward with the LoRA adapters off and
+#                with peft's forward instead of the fused one, the SDPA backend of every attention call,
+#                bf16 vs fp32 LoRA products in a training step, eager vs regional compile;
 #   e2e_t2i, e2e_edit   the end-to-end test on the GPU (bf16, 1 GPU);
 #   gpu_scale    FlowGRPO steps of a random-weight transformer at the released size (or the largest
 #                that fits; benchmarks/gpu_scale.py): images/s, MFU, the step-time split, peak memory;
@@ -24,7 +25,21 @@
 # Time budget: the phases' timeouts sum to BUDGET_S = 540 s (install 30, env 20, gpu_path 120,
 # e2e_t2i 60, e2e_edit 60, gpu_scale 130, gpu_dryrun 60, vllm_e2e 30, vllm_engines 30), which
 # leaves the 600 s command 60 s for the kill grace (`timeout -k 5`) and the summary. A skipped phase
-# takes none of it. The vllm phases' 30 s only keep the sum: on a machine with the rollout
+# takes none of it. gpu_path and gpu_scale, recomputed once they drew their 10.3B random weights on
+# the GPU instead of the CPU (that draw took ~55 s of each phase) and started writing their JSON
+# after every case (a timeout keeps the finished cases). Estimates for one H100/H200 (no GPU run
+# yet; bf16, 1024^2, ~40% MFU, 73 TFLOPs per sample-forward):
+#   gpu_path  ~105 of 120 s: start (imports, CUDA context) ~15, build + LoRA ~5 (was ~60 with the
+#             CPU draw), rollout 4 calls of 4 sample-forwards ~3, lora (adapters off, peft's forward)
+#             ~6, train bf16 + fp32 LoRA ~20, kernels ~3, compiled (3 block graphs, then 4 calls)
+#             ~30-60: the compile runs last and is the least certain; cut by the timeout, only its
+#             figures are lost (with the CPU draw, ~160 s: everything was lost);
+#   gpu_scale ~90 of 130 s: start ~15, tiny checkpoint ~10, build ~5 (was ~60), trainer setup ~10,
+#             a warm-up and a timed step of 4 images x 10 CFG steps + 2 window steps' update ~25
+#             each (with the CPU draw ~145: it could not finish). Its margin is the larger one
+#             because its figures come only from the last step.
+# The first GPU run's summary.json (each phase's seconds) replaces these estimates.
+# The vllm phases' 30 s only keep the sum: on a machine with the rollout
 # environment, run them alone with more time, e.g.
 #   BOOGU_GPU_CHECK_PHASES=env,vllm_e2e,vllm_engines BOOGU_GPU_CHECK_TIMEOUT_SCALE=8 bash benchmarks/gpu_check.sh
 #
@@ -210,7 +225,7 @@ phase_gpu_path() {
         "$PY" benchmarks/gpu_path.py --device cuda --preset released --json "$OUT/gpu_path.json"
     else
         "$PY" benchmarks/gpu_path.py --device cpu --preset tiny --size 64 --text-tokens 16 --batch 1 --rank 4 \
-            --repeats 1 --cases rollout,train,kernels --json "$OUT/gpu_path.json"
+            --repeats 1 --cases rollout,lora,train,kernels --json "$OUT/gpu_path.json"
     fi
 }
 

@@ -7,6 +7,9 @@ image tokens + 128 text tokens) it measures, in one process:
 * ``rollout``: a no-grad forward of ``--batch`` latents with batched CFG (2x the sample-forwards), as
   the rollout engine runs it; sample-forwards/s, the images/s of a 10-step CFG rollout, TFLOPs/s and
   MFU (model FLOPs from ``boogu_adapters.model.flops``, peak from ``boogu_trainer.perf``);
+* ``lora``: the same rollout forward with the adapters off (``rollout_adapters_off``: the base
+  model, what the LoRA branch costs on top of it) and with peft's own LoRA forward instead of the
+  fused one (``rollout_peft_lora``, ``lora.set_lora_forward``); ``lora_overhead`` has the ratios;
 * ``train_bf16_lora`` / ``train_fp32_lora``: one training forward + backward with LoRA rank 64 and
   gradient checkpointing, with the LoRA products in bf16 (``compute_lora_in_input_dtype``, what the
   trainer does) and in float32 (peft's default cast), both with float32 master weights;
@@ -16,8 +19,12 @@ image tokens + 128 text tokens) it measures, in one process:
   profiler saw;
 * peak memory of each case.
 
+The random weights are drawn on ``--device`` (a CUDA generator there: no CPU draw and copy of 10.3B
+parameters), and ``--json`` is rewritten (atomically) after every case, so a run cut short by a
+timeout keeps the cases it finished.
+
     python3 benchmarks/gpu_path.py [--preset released|mid|tiny] [--size 1024] [--text-tokens 128]
-        [--batch 2] [--cases rollout,train,compiled,kernels] [--device cuda] [--json out.json]
+        [--batch 2] [--cases rollout,lora,train,kernels,compiled] [--device cuda] [--json out.json]
 
 On CPU (``--device cpu --preset tiny``) it runs the same code at toy sizes: a smoke test only.
 """
@@ -35,9 +42,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
-from _common import MID_SIZE_OVERRIDES
+from _common import MID_SIZE_OVERRIDES, write_json_atomic
 
-from boogu_adapters.lora import add_lora, compute_lora_in_input_dtype
+from boogu_adapters.lora import adapters_disabled, add_lora, compute_lora_in_input_dtype, set_lora_forward
 from boogu_adapters.model import (
     RELEASED_CONFIG,
     TINY_CONFIG,
@@ -48,6 +55,7 @@ from boogu_adapters.model import (
 )
 from boogu_adapters.model.flops import FlopModel, LoraSpec
 from boogu_adapters.model.layout import TokenLayout
+from boogu_schedule import make_generator
 from boogu_trainer.perf import peak_tflops
 
 MID = {**TINY_CONFIG, **MID_SIZE_OVERRIDES}
@@ -78,8 +86,8 @@ def build(config: dict[str, Any], device: torch.device, dtype: torch.dtype, rank
             with torch.device("meta"):
                 model = BooguImageTransformer2DModel(**cfg)
             model = model.to_empty(device=device).to(dtype)
-            with torch.no_grad():
-                randomize_parameters(model, 0)
+            with torch.no_grad():  # on the device: a CPU draw of the released size took ~55 s
+                randomize_parameters(model, make_generator(0, device))
             add_lora(model, rank=rank, alpha=2 * rank, init_lora_weights=True, seed=0)
             for name, p in model.named_parameters():
                 if "lora_" in name:
@@ -185,7 +193,9 @@ def main() -> None:
     )
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cases", default="rollout,train,compiled,kernels")
+    # The cases run in this order, cheapest first: a timeout (gpu_check.sh's phase limit) cuts the
+    # compile, the most uncertain, and the JSON keeps the ones before it.
+    p.add_argument("--cases", default="rollout,lora,train,kernels,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
     args = p.parse_args()
@@ -218,6 +228,7 @@ def main() -> None:
         "forward_tflops_per_call": fwd_flops / 1e12,
         "cases": {},
     }
+    write_json_atomic(args.json, out)  # the setup's figures even if the first case never ends
 
     def forward():
         with torch.no_grad():
@@ -232,6 +243,7 @@ def main() -> None:
             **(extra or {}),
         }
         out["cases"][name] = row
+        write_json_atomic(args.json, out)
         print(
             f"{name:18s} {seconds * 1e3:9.1f} ms  {row['tflops_per_s']:8.1f} TFLOP/s  MFU {row['mfu']:6.1%}  "
             f"peak {row['peak_memory_gb'] or 0:6.1f} GB  {extra or ''}",
@@ -244,6 +256,31 @@ def main() -> None:
         s = timed(forward, device, args.repeats)
         per_image = 10 * s / args.batch  # 10 CFG steps, batch latents per call
         record("rollout", s, fwd_flops, {"rollout_images_per_s": 1 / per_image})
+
+    if "lora" in cases:
+        _reset_peak(device)
+        with adapters_disabled(model):  # the base model: FLOPs without the LoRA branch
+            record(
+                "rollout_adapters_off",
+                timed(forward, device, args.repeats),
+                FlopModel(cfg).forward(layout).total,
+            )
+        set_lora_forward(model, "peft")
+        try:
+            _reset_peak(device)
+            record("rollout_peft_lora", timed(forward, device, args.repeats), fwd_flops)
+        finally:
+            set_lora_forward(model, "fused")
+        rows = out["cases"]
+        if "rollout" in rows:
+            base = rows["rollout_adapters_off"]["seconds"]
+            out["lora_overhead"] = {
+                "fused_over_off": rows["rollout"]["seconds"] / base,
+                "peft_over_off": rows["rollout_peft_lora"]["seconds"] / base,
+                "peft_over_fused": rows["rollout_peft_lora"]["seconds"] / rows["rollout"]["seconds"],
+            }
+            print("LoRA rollout cost:", out["lora_overhead"], flush=True)
+            write_json_atomic(args.json, out)
 
     if "train" in cases:
         model.enable_gradient_checkpointing()
@@ -279,6 +316,7 @@ def main() -> None:
             F.scaled_dot_product_attention = original
         out["sdpa_calls"] = dict(seen)
         out["attention_kernels"] = profiled_attention_kernels(forward, device)
+        write_json_atomic(args.json, out)
         print("SDPA calls (shape, mask, GQA -> usable backends):")
         for key, count in seen.items():
             print(f"sdpa {count:3d} x {key}")
@@ -291,15 +329,14 @@ def main() -> None:
         forward()
         _sync(device)
         out["compile_seconds"] = time.perf_counter() - start
+        write_json_atomic(args.json, out)
         _reset_peak(device)
         s = timed(forward, device, args.repeats)
         eager = out["cases"].get("rollout", {}).get("seconds")
         record("compiled", s, fwd_flops, {"speedup_vs_eager": eager / s if eager else None})
 
     print(json.dumps(out, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json_atomic(args.json, out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ it does. Prints images/s, MFU, the step-time split, transformer forwards per ima
 The step-time split is every ``time/<phase>`` the trainer reports (``rollout``, ``train``,
 ``sync``, and ``encode``, which is part of ``rollout``); ``time/step`` is the whole step. On CPU
 (``--device cpu --preset tiny``) it runs the same code at toy sizes: a smoke test only.
+
+The random weights are drawn on ``--device`` (a CUDA generator there: a CPU draw of the released
+size took ~55 s), and ``--json`` is rewritten (atomically) after the build, the warm-up step and every
+timed step, with the figures of the steps done so far (``timed_steps``): a run cut short by a timeout
+keeps them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from _common import MID_SIZE_OVERRIDES
+from _common import MID_SIZE_OVERRIDES, write_json_atomic
 
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.model import (
@@ -38,6 +43,7 @@ from boogu_adapters.model import (
     randomize_parameters,
 )
 from boogu_adapters.tiny import ensure_tiny_checkpoint
+from boogu_schedule import make_generator
 from boogu_trainer.config import load_config
 from boogu_trainer.trainer import Trainer
 
@@ -55,8 +61,8 @@ def build_transformer(
     with torch.device("meta"):
         model = BooguImageTransformer2DModel(**cfg)
     model = model.to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        randomize_parameters(model, 0)
+    with torch.no_grad():  # on the device: a CPU draw of the released size took ~55 s
+        randomize_parameters(model, make_generator(0, device))
     return model
 
 
@@ -64,6 +70,27 @@ def step_split(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Mean seconds of every ``time/<phase>`` the trainer reported in all ``rows`` (``time/step`` apart)."""
     phases = [k for k in rows[0] if k.startswith("time/") and k != "time/step" and all(k in r for r in rows)]
     return {k: sum(float(r[k]) for r in rows) / len(rows) for k in phases}
+
+
+def summary(rows: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """The figures of the timed steps in ``rows`` (their means; none while ``rows`` is empty)."""
+    if not rows:
+        return {"timed_steps": 0}
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if isinstance(rows[0][k], int | float)}
+    return {
+        "timed_steps": len(rows),
+        "images_per_s": mean["images_per_s"],
+        "step_s": mean["time/step"],
+        "wall_s": mean["wall"],
+        "split_s": step_split(rows),
+        "nfe_rollout_per_image": mean["nfe/rollout_per_image"],
+        "nfe_train_per_image": mean["nfe/train_per_image"],
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "tflops_per_step": mean["perf/tflops"],
+        "mfu": mean["perf/mfu"],
+        "tflops_per_image": mean["perf/tflops_per_image"],
+        "logprob_diff_max": max((v for k, v in mean.items() if k.startswith("logprob_diff/")), default=0.0),
+    }
 
 
 def main() -> None:
@@ -130,9 +157,23 @@ def main() -> None:
             f"model.compile={str(args.compile).lower()}",
         ],
     )
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "preset": args.preset,
+        "transformer_params": params,
+        "layers": layers,
+        "size": args.size,
+        "images_per_step": args.prompts * args.group,
+        "steps_requested": args.steps,
+        "timed_steps": 0,
+    }
+    write_json_atomic(args.json, out)
     trainer = Trainer(config, parts=dataclasses.replace(parts, transformer=model))
+    t0 = time.perf_counter()
     trainer.train_step()  # warm-up
     trainer.step += 1  # what Trainer.train() does after each step
+    out["warmup_s"] = time.perf_counter() - t0
+    write_json_atomic(args.json, out)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     rows = []
@@ -141,31 +182,9 @@ def main() -> None:
         rows.append(trainer.train_step().metrics)
         trainer.step += 1
         rows[-1]["wall"] = time.perf_counter() - t0
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if isinstance(rows[0][k], int | float)}
-    out = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "preset": args.preset,
-        "transformer_params": params,
-        "layers": layers,
-        "size": args.size,
-        "images_per_step": args.prompts * args.group,
-        "timed_steps": args.steps,
-        "images_per_s": mean["images_per_s"],
-        "step_s": mean["time/step"],
-        "wall_s": mean["wall"],
-        "split_s": step_split(rows),
-        "nfe_rollout_per_image": mean["nfe/rollout_per_image"],
-        "nfe_train_per_image": mean["nfe/train_per_image"],
-        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "tflops_per_step": mean["perf/tflops"],
-        "mfu": mean["perf/mfu"],
-        "tflops_per_image": mean["perf/tflops_per_image"],
-        "logprob_diff_max": max((v for k, v in mean.items() if k.startswith("logprob_diff/")), default=0.0),
-    }
+        out.update(summary(rows, device))
+        write_json_atomic(args.json, out)
     print(json.dumps(out, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

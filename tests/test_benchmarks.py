@@ -60,6 +60,71 @@ def test_gpu_path_smoke_on_cpu(tmp_path, monkeypatch):
     assert sum(calls.values()) >= 5 and all("gqa=True" in k or "mask=yes" in k for k in calls)
 
 
+def test_gpu_path_keeps_the_finished_cases_when_a_later_one_is_cut_short(tmp_path, monkeypatch):
+    """gpu_check.sh's phase timeout kills gpu_path.py wherever it is: the JSON holds every case done
+    before (rewritten after each, through a rename), the LoRA on/off/peft figures included. Killed
+    here at a named point, the start of the training case."""
+    from boogu_adapters.model import BooguImageTransformer2DModel
+
+    def killed(self):
+        raise KeyboardInterrupt("killed at the training case")
+
+    monkeypatch.setattr(BooguImageTransformer2DModel, "enable_gradient_checkpointing", killed)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    out = tmp_path / "gpu_path.json"
+    args = ["--device", "cpu", "--preset", "tiny", "--size", "32", "--text-tokens", "8", "--batch", "1"]
+    args += ["--rank", "4", "--repeats", "1", "--cases", "rollout,lora,train", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt, match="killed at the training case"):
+        run_script("gpu_path.py", args, monkeypatch)
+    figures = json.loads(out.read_text())
+    assert set(figures["cases"]) == {"rollout", "rollout_adapters_off", "rollout_peft_lora"}
+    assert all(row["seconds"] > 0 for row in figures["cases"].values())
+    assert set(figures["lora_overhead"]) == {"fused_over_off", "peft_over_off", "peft_over_fused"}
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu_path.json"]  # no temporary file left
+
+
+def test_gpu_benchmarks_draw_their_weights_with_a_generator_of_their_device(monkeypatch):
+    """gpu_path.py and gpu_scale.py draw the random weights on the GPU they run on (a CPU draw of the
+    released size took ~55 s of each phase's timeout), through the one generator seam."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_path
+    import gpu_scale
+
+    from boogu_adapters.model import TINY_CONFIG
+
+    asked = []
+    for module in (gpu_path, gpu_scale):
+        real = module.make_generator
+        monkeypatch.setattr(
+            module,
+            "make_generator",
+            lambda seed, device, real=real: asked.append(device) or real(seed, device),
+        )
+    gpu_path.build(TINY_CONFIG, torch.device("cpu"), torch.float32, 2)
+    gpu_scale.build_transformer(TINY_CONFIG, 2, 64, torch.device("cpu"), torch.float32)
+    assert [torch.device(d) for d in asked] == [torch.device("cpu")] * 2
+
+
+def test_randomize_parameters_draws_on_its_generators_device():
+    """On fake CUDA: a CUDA generator fills the CUDA parameters with draws made on CUDA (a draw on the
+    CPU from it is what a real GPU refuses, and what RandomOpCheck reports)."""
+    import torch
+
+    from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
+    from boogu_schedule import make_generator
+    from boogu_trainer import dryrun
+
+    with dryrun.fake_cuda() as session:
+        with torch.device("cuda"), dryrun._skip_initialisers():
+            model = BooguImageTransformer2DModel(**TINY_CONFIG)
+        generator = make_generator(0, device="cuda")
+        randomize_parameters(model, generator)
+        assert next(model.parameters()).device.type == "cuda"
+    assert session.errors == []
+
+
 @pytest.mark.slow
 def test_algorithms_quick(tmp_path, monkeypatch):
     out = tmp_path / "algorithms.json"
@@ -316,7 +381,14 @@ def test_gpu_check_cpu_rehearsal(tmp_path):
     # the step-time split is the trainer's own time/ phases
     assert {"time/rollout", "time/train", "time/sync"} <= set(scale["split_s"])
     assert scale["preset"] == "tiny" and scale["images_per_s"] > 0 and scale["nfe_train_per_image"] > 0
-    assert set(json.loads((out / "gpu_path.json").read_text())["cases"]) == {"rollout", "train_bf16_lora"}
+    path_figures = json.loads((out / "gpu_path.json").read_text())
+    assert set(path_figures["cases"]) == {
+        "rollout",
+        "rollout_adapters_off",
+        "rollout_peft_lora",
+        "train_bf16_lora",
+    }
+    assert path_figures["lora_overhead"]["fused_over_off"] > 0
 
 
 @pytest.mark.slow

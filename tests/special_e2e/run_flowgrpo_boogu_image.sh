@@ -111,17 +111,24 @@ from safetensors.torch import load_file
 run, mode = Path(sys.argv[1]), sys.argv[2]
 # The local engine's log-probs equal training's recomputation to the last bit when both forwards see
 # as many rows; here the rollout calls carry 8 latents and the training micro-batches 4, and a CPU's
-# matrix kernels may block by row count (6e-8 seen on an AVX-512/AMX Xeon). Another engine's
-# (vllm-omni's transformer port) agree to float rounding. A wrong sign, time or schedule is >= 1e-2.
-from boogu_trainer.preflight import CPU_LOGPROB_RTOL
-engine = yaml.safe_load((run / "config.yaml").read_text())["rollout"]["engine"]
-tol = CPU_LOGPROB_RTOL if engine == "local" else 1e-4
+# matrix kernels may block by row count (6e-8 seen on an AVX-512/AMX Xeon). bf16 on a GPU and another
+# engine (vllm-omni's transformer port) agree to rounding. The tolerance per device and dtype is the
+# trainer's own table (boogu_trainer.onpolicy); a wrong sign, time or schedule is >= 1e-2.
+import torch
+from boogu_trainer.config import resolved_model_dtype
+from boogu_trainer.onpolicy import logprob_tolerance
+cfg = yaml.safe_load((run / "config.yaml").read_text())
+device = torch.device(cfg["model"]["device"]).type
+tol = logprob_tolerance(
+    device, resolved_model_dtype(cfg["model"]["dtype"], device), own_copy=cfg["rollout"]["engine"] != "local"
+)
 steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 train = [s for s in steps if "reward/mean" in s]
 assert [s["step"] for s in train] == [1, 2], [s["step"] for s in train]
 for s in train:
     assert math.isfinite(s["reward/mean"]) and 0.0 <= s["reward/mean"] <= 1.0, s["reward/mean"]
     assert s["logprob_diff/step0"] <= tol and s["logprob_diff/step1"] <= tol, ("rollout and training log-probs differ", tol)
+    assert s["clipfrac_first"] == 0.0, ("the first optimizer step clipped on-policy ratios", s["clipfrac_first"])
     assert math.isfinite(s["loss"]) and math.isfinite(s["kl_ref"]) and s["optimizer_steps"] >= 1
     assert s["edit_samples"] == (s["samples"] if mode == "edit" else 0), (s["edit_samples"], mode)
 assert train[-1]["weights_version"] == 2, "the rollout engine did not receive both weight syncs"

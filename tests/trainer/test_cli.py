@@ -6,11 +6,12 @@ from __future__ import annotations
 import errno
 import os
 import re
+from pathlib import Path
 
 import pytest
 
 from boogu_data import PromptRecord, write_records
-from boogu_trainer.cli import main
+from boogu_trainer.cli import _parse, main
 from boogu_trainer.metrics import reward_verdict, summarize_rewards
 from boogu_trainer.trainer import Trainer
 from tests.trainer.test_data import LONG_PROMPT
@@ -113,3 +114,19 @@ def test_a_disk_that_fills_up_during_the_run_is_a_named_error(tiny_checkpoint, t
     metrics = tmp_path / "mine" / "metrics.jsonl"
     assert f"trainer: error: cannot write {metrics}: No space left on device" in err
     assert "committed checkpoints are intact" in err and "resume=auto" in err
+
+
+RECIPE = Path(__file__).parents[2] / "examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml"
+
+
+def test_options_may_follow_the_recipe_and_the_overrides(capsys):
+    """As the README writes it: the recipe first, then options, then overrides (or any mix)."""
+    for argv in (
+        [str(RECIPE), "--plan", "--gpu-memory", "80", "model.device=cuda"],
+        ["--plan", "--gpu-memory", "80", str(RECIPE), "model.device=cuda"],
+        [str(RECIPE), "model.device=cuda", "--plan", "--gpu-memory", "80"],
+    ):
+        ns, recipe, overrides = _parse(argv)
+        assert (ns.plan, ns.gpu_memory, recipe, overrides) == (True, 80.0, str(RECIPE), ["model.device=cuda"])
+    assert main([str(RECIPE), "--print-config", "optim.lr=3e-4"]) == 0
+    assert "lr: 0.0003" in capsys.readouterr().out

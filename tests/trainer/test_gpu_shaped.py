@@ -13,10 +13,17 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu
-from boogu_adapters.lora import InputDtypeLinear, add_lora, compute_lora_in_input_dtype, lora_state_dict
+from boogu_adapters.lora import (
+    InputDtypeLinear,
+    add_lora,
+    compute_lora_in_input_dtype,
+    lora_state_dict,
+    set_lora_forward,
+)
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
 from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import RolloutRequest
@@ -268,30 +275,39 @@ def _inputs(dtype):
     return x, torch.tensor([0.3, 0.7], dtype=dtype), hidden, mask
 
 
+class _RankGemms(TorchDispatchMode):
+    """The input dtypes of every matrix product with a LoRA-rank (4) side: the LoRA branch's GEMMs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[tuple[torch.dtype, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
+            if any(4 in m.shape for m in mats[-2:]):
+                self.dtypes.add(tuple(m.dtype for m in mats))
+        return func(*args, **(kwargs or {}))
+
+
 def test_lora_products_run_in_the_model_dtype_with_float32_masters():
     model = _lora_tiny(torch.bfloat16)
     assert compute_lora_in_input_dtype(model) > 0
-    seen = []
-    for module in model.modules():
-        if isinstance(module, InputDtypeLinear):
-            module.register_forward_hook(
-                lambda m, inp, out: seen.append((inp[0].dtype, out.dtype, m.weight.dtype))
-            )
+    assert any(isinstance(m, InputDtypeLinear) for m in model.modules())  # what peft's fallback calls
     x, t, hidden, mask = _inputs(torch.bfloat16)
-    out = model(x, t, hidden, None, mask)
-    out.float().square().mean().backward()
-    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16, torch.float32)}
+    with _RankGemms() as gemms:
+        out = model(x, t, hidden, None, mask)
+        out.float().square().mean().backward()
+    assert gemms.dtypes and all(set(d) == {torch.bfloat16} for d in gemms.dtypes), gemms.dtypes
     grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
     assert grads and all(g.dtype == torch.float32 for g in grads)
     assert any(float(g.abs().sum()) > 0 for g in grads)
     # peft's own path would have upcast the activations to the adapters' float32.
     baseline = _lora_tiny(torch.bfloat16)
-    peft_seen = []
-    for name, module in baseline.named_modules():
-        if name.endswith("lora_A.default"):
-            module.register_forward_hook(lambda m, inp, out: peft_seen.append(inp[0].dtype))
-    baseline(x, t, hidden, None, mask)
-    assert set(peft_seen) == {torch.float32}
+    set_lora_forward(baseline, "peft")
+    with torch.no_grad(), _RankGemms() as peft_gemms:
+        baseline(x, t, hidden, None, mask)
+    assert peft_gemms.dtypes and all(set(d) == {torch.float32} for d in peft_gemms.dtypes), peft_gemms.dtypes
 
 
 def test_lora_compute_switch_changes_nothing_in_float32():

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from boogu_trainer import checkpoint as ckpt
 from boogu_trainer.checkpoint import CheckpointError, checkpoint_folders, load_checkpoint
 from boogu_trainer.config import load_config
-from boogu_trainer.preflight import CPU_LOGPROB_RTOL
+from boogu_trainer.onpolicy import LOGPROB_TOLERANCE
 from boogu_trainer.trainer import Trainer, TrainingStopped
 
 
@@ -94,8 +94,9 @@ def test_run_writes_metrics_samples_curve_and_checkpoints(finished_run):
     assert all(0 < r["perf/mfu"] < 1 for r in lines)
     # On-policy: before the first update the training log-prob equals the rollout's (bitwise where
     # both forwards hold as many rows; a few ulps on CPUs whose matrix kernels block by row count).
-    tol = CPU_LOGPROB_RTOL  # the preflight's CPU rule (|log p| < 1 here)
+    tol = LOGPROB_TOLERANCE[("cpu", "float32")]  # the on-policy checks' CPU float32 entry
     assert all(r["logprob_diff/step0"] <= tol and r["logprob_diff/step1"] <= tol for r in lines)
+    assert all(r["clipfrac_first"] == 0.0 for r in lines)  # the clip acted on nothing on-policy
     assert lines[0]["nfe/rollout_per_image"] == 8  # 4 steps x (positive + negative)
     assert (run / "reward_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0001.png", "step_0002.png"]

@@ -16,6 +16,15 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 NUM_GPUS="${NUM_GPUS:-4}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
+if [ "$NNODES" -gt 1 ]; then
+    # Every node must reach rank 0's node: a loopback default would leave each node waiting on itself.
+    case "${MASTER_ADDR:-}" in
+        "" | 127.* | localhost | ::1 | 0.0.0.0)
+            echo "NNODES=$NNODES: set MASTER_ADDR to the address of the node with NODE_RANK=0 (got '${MASTER_ADDR:-}')," \
+                "the same on every node; logging.run_dir must be on a filesystem every node shares (docs/reliability.md)" >&2
+            exit 2 ;;
+    esac
+fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 MODEL_PATH="${MODEL_PATH:-$HOME/models/Boogu/Boogu-Image-0.1-Base}"

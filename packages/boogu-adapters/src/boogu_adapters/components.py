@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import get_args
 
@@ -56,6 +57,11 @@ class QwenPromptEncoder:
     change the kernels' summation order): a hit returns exactly the tensors a fresh encode of the
     same batch computes, so results never depend on what was encoded before (a resumed run encodes
     as the original did).
+
+    ``offload_to``: the encoder's weights wait in host memory (pinned on CUDA) and are copied to that
+    device for each encode, then dropped there: the GPU holds them only while it encodes. The host
+    tensors stay the same, so cache keys stay valid. An encoder built on the meta device (the
+    trainer's with ``rollout.engine=vllm_omni``: the worker encodes) refuses to encode, with a message.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class QwenPromptEncoder:
         vlm_view: VlmView = "upstream",
         cache_entries: int = PROMPT_CACHE_ENTRIES,
         cache_bytes: int = PROMPT_CACHE_BYTES,
+        offload_to: torch.device | str | None = None,
     ):
         if num_feature_layers != 1:
             raise NotImplementedError(
@@ -84,6 +91,38 @@ class QwenPromptEncoder:
         self.cache = PromptCache(cache_entries, cache_bytes) if cache_entries else None
         """The encoded batches kept (None: every call encodes)."""
         self.seconds = 0.0
+        self.offload_to = None if offload_to is None else torch.device(offload_to)
+        """Where the offloaded encoder runs (None: where its weights are)."""
+        if self.offload_to is not None:
+            self._to_host(text_encoder, pin=self.offload_to.type == "cuda" and torch.cuda.is_available())
+
+    @staticmethod
+    def _to_host(module: torch.nn.Module, *, pin: bool) -> None:
+        for t in (*module.parameters(), *module.buffers()):
+            host = t.data if t.device.type == "cpu" else t.data.cpu()
+            t.data = host.pin_memory() if pin and not host.is_pinned() else host
+
+    @contextlib.contextmanager
+    def _weights_in_place(self) -> Iterator[None]:
+        """The encoder's weights on ``offload_to`` for one encode (a no-op without offloading)."""
+        if _module_device(self.text_encoder).type == "meta":
+            raise RuntimeError(
+                "the trainer holds no text encoder weights (rollout.engine=vllm_omni: the rollout worker "
+                "encodes the prompts); encoding here needs rollout.engine=local"
+            )
+        if self.offload_to is None:
+            yield
+            return
+        tensors = [*self.text_encoder.parameters(), *self.text_encoder.buffers()]
+        host = [t.data for t in tensors]
+        try:
+            for t, h in zip(tensors, host, strict=True):
+                # a copy (from pinned memory: no host wait), dropped after the call
+                t.data = h.to(self.offload_to, non_blocking=True, copy=True)
+            yield
+        finally:
+            for t, h in zip(tensors, host, strict=True):
+                t.data = h  # the device copies are freed with the call's last use
 
     def __call__(self, instructions: Sequence[str], images: Sequence[bytes | None] | None):
         t0 = time.perf_counter()
@@ -91,16 +130,17 @@ class QwenPromptEncoder:
         cached = None if key is None else self.cache.get(key)
         if cached is None:
             pil = None if images is None else [None if b is None else [_decode_image(b)] for b in images]
-            embeds = encode_prompts(
-                self.text_encoder,
-                self.processor,
-                list(instructions),
-                pil,
-                max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH,
-                truncate=False,
-                num_feature_layers=self.num_feature_layers,
-                vlm_view=self.vlm_view,
-            )
+            with self._weights_in_place():
+                embeds = encode_prompts(
+                    self.text_encoder,
+                    self.processor,
+                    list(instructions),
+                    pil,
+                    max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH,
+                    truncate=False,
+                    num_feature_layers=self.num_feature_layers,
+                    vlm_view=self.vlm_view,
+                )
             hidden, mask = embeds.hidden_states, embeds.attention_mask
         else:
             hidden, mask = cached
@@ -127,7 +167,7 @@ class QwenPromptEncoder:
             getattr(self.processor, "chat_template", None),
             self.vlm_view,
             self.num_feature_layers,
-            _module_device(encoder),
+            self.offload_to or _module_device(encoder),
             _module_dtype(encoder),
             tuple((p.data_ptr(), p._version) for p in encoder.parameters()),
         )
@@ -212,6 +252,7 @@ def build_local_engine(
     micro_batch_size: int = 0,
     encode_cache: bool = True,
     cache_text_path: bool = True,
+    text_encoder_offload: torch.device | str | None = None,
 ) -> LocalRolloutEngine:
     """A :class:`LocalRolloutEngine` over the parts (``transformer`` overrides ``parts.transformer``,
     e.g. the LoRA-injected module the trainer trains; ``edit_vlm_view`` is the prompt encoder's
@@ -219,7 +260,9 @@ def build_local_engine(
 
     ``encode_cache`` keeps encoded prompt batches (`QwenPromptEncoder`), ``cache_text_path`` runs the
     transformer's text path once per rollout (`LocalRolloutEngine`); neither changes a result, both
-    are there to be switched off for a comparison (``benchmarks/demo_throughput.py``)."""
+    are there to be switched off for a comparison (``benchmarks/demo_throughput.py``).
+    ``text_encoder_offload``: the device the text encoder runs on while its weights wait in host
+    memory between encodes (`QwenPromptEncoder`'s ``offload_to``; None: they stay where they are)."""
     model = transformer if transformer is not None else parts.transformer
     return LocalRolloutEngine(
         model,
@@ -230,6 +273,7 @@ def build_local_engine(
             num_feature_layers=num_instruction_feature_layers(model),
             vlm_view=edit_vlm_view,
             cache_entries=PROMPT_CACHE_ENTRIES if encode_cache else 0,
+            offload_to=text_encoder_offload,
         ),
         codec=VaeCodec(parts.vae, parts.vae_scale_factor),
         schedule_config=parts.schedule_config,

@@ -107,6 +107,7 @@ def load_boogu(
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    text_encoder_device: str | torch.device | None = None,
 ) -> BooguParts:
     """Load every part of a Boogu-Image checkpoint folder.
 
@@ -121,6 +122,9 @@ def load_boogu(
             a checkpoint is data, and a downloaded folder's ``.py`` files run with your rights.
         dtype: dtype of every module (float32 on CPU; bfloat16 is the released dtype on GPUs).
         device: where the modules go.
+        text_encoder_device: where the text encoder goes instead (None: ``device``); ``"meta"``
+            builds it from its config without reading its weights (a trainer whose rollout worker
+            encodes the prompts needs only the processor).
 
     Raises:
         CheckpointError: a subfolder or file is missing, the tensors in the transformer or VAE
@@ -140,7 +144,9 @@ def load_boogu(
     return BooguParts(
         transformer=model,
         vae=vae,
-        text_encoder=load_text_encoder(root, dtype=dtype, device=device),
+        text_encoder=load_text_encoder(
+            root, dtype=dtype, device=device if text_encoder_device is None else text_encoder_device
+        ),
         processor=load_processor(root),
         schedule_config=schedule_config,
         vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1),
@@ -269,9 +275,16 @@ def load_text_encoder(
     The folder holds a ``Qwen3VLForConditionalGeneration``; transformers maps its ``model.*``
     tensors onto ``Qwen3VLModel`` and the ``lm_head`` is skipped. Any other missing, unexpected
     or mismatched tensor is an error (transformers would otherwise initialise it randomly).
+    ``device="meta"``: the module built from ``config.json`` alone, no weight read or allocated.
     """
     mllm_dir = _subfolder(_checkpoint_root(path), "mllm")
     _read_json(mllm_dir / "config.json")
+    if torch.device(device).type == "meta":
+        from transformers import Qwen3VLConfig
+
+        config = Qwen3VLConfig.from_pretrained(str(mllm_dir), local_files_only=True)
+        with torch.device("meta"):
+            return Qwen3VLModel._from_config(config, torch_dtype=dtype).eval()
     if not any(mllm_dir.glob("*.safetensors")):
         raise CheckpointError(f"{mllm_dir}: no *.safetensors weights (pickled weights are never loaded)")
     # The load report lists lm_head as unexpected, which is the point; the real problems are raised below.

@@ -16,15 +16,20 @@ Use `is_lora_param`, `is_lora_b`, `lora_file_key`, `lora_module` / `lora_pair_ke
 `to_peft_keys` / `from_peft_keys`, `DIFFUSERS_PREFIX`, `peft_sync_config` and `adapter_config` instead
 of spelling them out. Whether a saved LoRA fits a model is decided here too, once, for the
 trainer's resume and for ``boogu-sample`` (sampling and ``--merge-to``): `check_lora_state`.
+
+The adapted linears compute their LoRA branch as one accumulate into the base output
+(`FusedLoraLinear`, the default of `add_lora`); `set_lora_forward` switches them to peft's own forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal
 
 import torch
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 
 from boogu_adapters.model import LORA_TARGET_MODULES
@@ -39,6 +44,8 @@ ADAPTER_NAME = "default"
 """peft's adapter name for the one adapter this project trains."""
 LORA_MARKER = "lora_"
 """Every LoRA parameter name contains this (``lora_A``, ``lora_B``); base parameters never do."""
+LoraForward = Literal["fused", "peft"]
+"""How an adapted linear computes its LoRA branch: `FusedLoraLinear`'s one accumulate, or peft's forward."""
 
 
 def is_lora_param(name: str) -> bool:
@@ -134,12 +141,17 @@ def add_lora(
     target_modules: Sequence[str] = LORA_TARGET_MODULES,
     init_lora_weights: bool | str = "gaussian",
     seed: int | None = 0,
+    forward: LoraForward = "fused",
 ) -> torch.nn.Module:
     """Inject LoRA adapters in place; only LoRA parameters stay trainable. Returns the module.
 
     With ``init_lora_weights="gaussian"`` (the reference recipe) ``lora_A`` is random and ``lora_B`` zero,
     so the adapted model starts exactly at the base model. ``seed`` makes the ``lora_A`` draw repeatable.
+    ``forward`` picks how the adapted linears compute (`set_lora_forward`): ``"fused"`` (one accumulate
+    into the base output, the default) or ``"peft"`` (peft's own forward, to compare against).
     """
+    if forward not in ("fused", "peft"):
+        raise ValueError(f"add_lora: forward={forward!r}, expected 'fused' or 'peft'")
     config = LoraConfig(
         **peft_sync_config(rank, alpha, target_modules), init_lora_weights=init_lora_weights, bias="none"
     )
@@ -157,6 +169,7 @@ def add_lora(
         param.requires_grad_(is_lora_param(name))
     if not any(p.requires_grad for p in transformer.parameters()):
         raise ValueError(f"add_lora: no module matched target_modules={list(target_modules)}")
+    set_lora_forward(transformer, forward)
     return transformer
 
 
@@ -318,4 +331,74 @@ def compute_lora_in_input_dtype(module: torch.nn.Module) -> int:
                 if type(linear) is torch.nn.Linear:
                     linear.__class__ = InputDtypeLinear
         changed += 1
+    return changed
+
+
+class FusedLoraLinear(PeftLoraLinear):
+    """peft's LoRA ``Linear`` whose LoRA branch is one accumulate into the base layer's output.
+
+    peft computes ``result + lora_B(lora_A(x)) * scaling``: a full-width ``lora_B`` output, then a
+    ``mul`` and an ``add`` over it, three extra passes over the ``(tokens, out)`` activation (the LoRA
+    GEMMs themselves are rank ``r`` thin). Here the branch is ``addmm(result, x @ A^T, B^T,
+    alpha=scaling)``: the scaling folded into the GEMM and the sum into its epilogue, so the output is
+    read and written once, and the backward has no full-width ``mul`` either. The same values as peft's
+    within float rounding (one rounding instead of three), the same parameters (this is only another
+    class for the same module: state-dict keys, checkpoints, FSDP2, ``merge``/``unmerge`` and the
+    gradients to ``lora_A``/``lora_B`` are peft's). Dtypes follow peft: the branch computes in the
+    adapter weight's dtype (peft's input cast), or, with ``cast_input_dtype_enabled`` off
+    (`compute_lora_in_input_dtype`), in the input's dtype with the weights cast inside autograd.
+
+    Whatever peft does that this does not (dropout, DoRA and other variants, a ``lora_B`` bias,
+    per-row ``adapter_names``, extra forward arguments, merged or disabled adapters) goes to peft's
+    own forward, unchanged.
+    """
+
+    def _fusable(self, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        if args or kwargs or self.disable_adapters or self.merged or not x.is_floating_point():
+            return False
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            if (
+                name in self.lora_variant
+                or not isinstance(self.lora_dropout[name], torch.nn.Identity)
+                or not isinstance(self.lora_A[name], torch.nn.Linear)
+                or not isinstance(self.lora_B[name], torch.nn.Linear)
+                or self.lora_A[name].bias is not None
+                or self.lora_B[name].bias is not None
+            ):
+                return False
+        return True
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if not self._fusable(x, args, kwargs):
+            return super().forward(x, *args, **kwargs)
+        result = self.base_layer(x)  # (..., out)
+        result_dtype, shape = result.dtype, result.shape
+        flat = result.reshape(-1, shape[-1])  # (tokens, out): a view for a contiguous output
+        inputs = x.reshape(-1, x.shape[-1])  # (tokens, in)
+        cast_input = getattr(self, "cast_input_dtype_enabled", True)
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight  # (r, in), (out, r)
+            dtype = a.dtype if cast_input else inputs.dtype  # peft's _cast_input_dtype / InputDtypeLinear
+            inputs = inputs.to(dtype)  # peft keeps the cast input for the next adapter too
+            down = torch.mm(inputs, a.to(dtype).t())  # (tokens, r)
+            flat = torch.addmm(flat.to(dtype), down, b.to(dtype).t(), alpha=self.scaling[name])
+        return flat.to(result_dtype).reshape(shape)
+
+
+def set_lora_forward(module: torch.nn.Module, forward: LoraForward = "fused") -> int:
+    """Make every peft LoRA ``Linear`` of ``module`` compute with `FusedLoraLinear` (``"fused"``) or with
+    peft's own forward (``"peft"``); returns how many layers now do. Only the class changes: parameters,
+    keys and adapter state stay as they are, so the two can be compared on one model."""
+    if forward not in ("fused", "peft"):
+        raise ValueError(f"set_lora_forward: forward={forward!r}, expected 'fused' or 'peft'")
+    target = FusedLoraLinear if forward == "fused" else PeftLoraLinear
+    changed = 0
+    for layer in _tuner_layers(module):
+        if type(layer) in (PeftLoraLinear, FusedLoraLinear):
+            layer.__class__ = target
+            changed += 1
     return changed

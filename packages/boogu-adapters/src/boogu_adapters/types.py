@@ -6,7 +6,8 @@ size, ``N`` for denoising steps, ``C, h, w`` for latent channels and size, ``L``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -155,6 +156,20 @@ class Conditioning:
             else tuple(self.negative_lengths[i] for i in rows),
         )
 
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Conditioning:
+        """The same conditioning with ``fn`` applied to every tensor (host lengths kept)."""
+        neg, neg_mask = self.negative_hidden_states, self.negative_attention_mask
+        return dataclasses.replace(
+            self,
+            hidden_states=fn(self.hidden_states),
+            attention_mask=fn(self.attention_mask),
+            negative_hidden_states=None if neg is None else fn(neg),
+            negative_attention_mask=None if neg_mask is None else fn(neg_mask),
+            ref_latents=None
+            if self.ref_latents is None
+            else tuple(None if r is None else fn(r) for r in self.ref_latents),
+        )
+
     def slice(self, start: int, stop: int) -> Conditioning:
         """Rows ``start:stop`` as views (a micro-batch)."""
         neg = self.negative_hidden_states
@@ -224,3 +239,20 @@ class Trajectory:
     @property
     def nfe_per_image(self) -> float:
         return self.nfe / max(self.batch_size, 1)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Trajectory:
+        """The same batch with ``fn`` applied to every tensor but the images (uint8, on the host for
+        the rewards): e.g. into pinned host memory while it waits (``rollout.pipeline=one_step``),
+        then onto the trainer's device when it is trained on."""
+        return dataclasses.replace(
+            self,
+            latents=fn(self.latents),
+            step_index=fn(self.step_index),
+            sigmas=fn(self.sigmas),
+            log_prob=fn(self.log_prob),
+            mean=fn(self.mean),
+            std=fn(self.std),
+            group_id=fn(self.group_id),
+            conditioning=self.conditioning.map_tensors(fn),
+            final_latents=fn(self.final_latents),
+        )

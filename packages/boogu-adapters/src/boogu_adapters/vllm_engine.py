@@ -26,9 +26,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,8 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
         self.stats = EngineStats()
         self.sync_log: list[tuple[int, str]] = []
         self._version = 0
+        self._on_host = threading.local()
+        """Per thread: trajectories stay in (pinned) host memory (`trajectories_on_host`)."""
         self._process: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.log_path: Path | None = None
@@ -348,6 +351,17 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
         )
         return spec, reference_tensors({i: data for data, i in images.items()})
 
+    @contextlib.contextmanager
+    def trajectories_on_host(self) -> Iterator[None]:
+        """Inside, on this thread only: `generate` leaves the trajectory in host memory (pinned when
+        ``device`` is a GPU) instead of moving it to ``device``; the caller moves it when it trains on
+        it (``rollout.pipeline=one_step``: the next batch waits there during the update's peak)."""
+        self._on_host.active = True
+        try:
+            yield
+        finally:
+            self._on_host.active = False
+
     def generate(self, request: RolloutRequest) -> Trajectory:
         if not request.records:
             raise ValueError("RolloutRequest has no records")
@@ -364,12 +378,16 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
                 f"the rollout worker sampled with weights version {meta.get('weights_version')}, the trainer "
                 f"published {self._version}: another trainer shares this worker"
             )
-        return self._trajectory(request, meta, out)
+        if getattr(self._on_host, "active", False):
+            traj = self._trajectory(request, meta, out, torch.device("cpu"))
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                traj = traj.map_tensors(torch.Tensor.pin_memory)  # copied in without a host wait
+            return traj
+        return self._trajectory(request, meta, out, self.device)
 
     def _trajectory(
-        self, request: RolloutRequest, meta: dict[str, Any], out: dict[str, torch.Tensor]
+        self, request: RolloutRequest, meta: dict[str, Any], out: dict[str, torch.Tensor], dev: torch.device
     ) -> Trajectory:
-        dev = self.device
         n, batch = request.group_size, request.batch_size
         for key, value in meta.get("timings", {}).items():
             self.stats.seconds[f"worker/{key}"] += float(value)

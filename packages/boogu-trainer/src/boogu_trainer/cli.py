@@ -84,7 +84,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
         help="with --plan: reference images per prompt (edit data, each at the output size; default 0: T2I)",
     )
     parser.add_argument("--version", action="version", version=f"boogu-trainer {__version__}")
-    ns = parser.parse_args(argv)
+    # Intermixed: options may come before, between or after the recipe and the overrides
+    # (``trainer RECIPE --plan --gpu-memory 80 model.device=cuda``), as the README writes them.
+    ns = parser.parse_intermixed_args(argv)
     recipe = None
     overrides = []
     for a in ns.args:
@@ -187,15 +189,26 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     """Train with ``config`` (under torchrun: this rank's part); returns the process exit code."""
     from boogu_adapters.vllm_engine import RolloutWorkerError
     from boogu_trainer.checkpoint import CheckpointError
-    from boogu_trainer.distributed import RECORD_ENV, CollectiveTimeout, DistEnv, record_collectives
+    from boogu_trainer.distributed import (
+        RECORD_ENV,
+        CollectiveTimeout,
+        DeviceError,
+        DistEnv,
+        MultiNodeError,
+        record_collectives,
+    )
     from boogu_trainer.metrics import reward_verdict, summarize_rewards
     from boogu_trainer.preflight import PreflightError
     from boogu_trainer.trainer import Trainer, TrainingStopped
 
     _quiet_libraries()
-    dist = DistEnv.from_environment(
-        config.distributed.backend, config.model.device, config.distributed.timeout_s
-    )
+    try:
+        dist = DistEnv.from_environment(
+            config.distributed.backend, config.model.device, config.distributed.timeout_s
+        )
+    except DeviceError as e:  # a device or a multi-node layout that cannot work (MASTER_ADDR)
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 2
     if dist.device.type == "cpu":
         from boogu_trainer.host_memory import keep_freed_host_memory
 
@@ -271,7 +284,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
     except PreflightError as e:
         print(f"trainer: stopped: {e}", file=sys.stderr)
         return 1
-    except (CheckpointError, CollectiveTimeout, RolloutWorkerError) as e:
+    except (CheckpointError, CollectiveTimeout, RolloutWorkerError, MultiNodeError) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 4
     except OSError as e:  # a full or read-only disk under the run folder (docs/reliability.md)

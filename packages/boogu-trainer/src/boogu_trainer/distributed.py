@@ -24,9 +24,10 @@ import contextvars
 import datetime
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,19 @@ class CollectiveTimeout(RuntimeError):
 
 class DeviceError(ValueError):
     """A device setting that cannot work on this machine or with this many ranks."""
+
+
+T = TypeVar("T")
+
+STARTUP_MARGIN_S = 120.0
+"""Seconds a rank waits for the others beyond a rollout worker's start-up limit: ranks reach the
+launch a little apart (model loads differ), and the slowest worker may take the whole limit."""
+
+
+def startup_wait_s(startup_timeout_s: float, timeout_s: float) -> float:
+    """How long ranks wait for each other's rollout workers: the workers' start-up limit plus
+    `STARTUP_MARGIN_S`, and never less than the process group's own timeout."""
+    return max(startup_timeout_s + STARTUP_MARGIN_S, timeout_s)
 
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("boogu_collective", default=None)
@@ -96,6 +110,9 @@ class DistEnv:
     timeout_s: float = 600.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """This rank's device: every component puts its tensors here, every collective runs here."""
+    local_world_size: int | None = None
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``); fewer than ``world_size``: several nodes.
+    None (a group built by hand: the dry run's fake group, tests): one node."""
 
     @property
     def is_main(self) -> bool:
@@ -104,6 +121,11 @@ class DistEnv:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def multi_node(self) -> bool:
+        """The ranks span several nodes (`check_multi_node_env`, `check_shared_folder`)."""
+        return self.local_world_size is not None and self.world_size > self.local_world_size
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu", timeout_s: float = 600.0) -> DistEnv:
@@ -122,6 +144,8 @@ class DistEnv:
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        check_multi_node_env(os.environ)  # before the process group waits on a wrong address
         resolved = resolve_device(device, local_rank=local_rank, world_size=world)
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
@@ -144,10 +168,11 @@ class DistEnv:
             local_rank=local_rank,
             timeout_s=timeout_s,
             device=resolved,
+            local_world_size=local_world,
         )
 
     @contextlib.contextmanager
-    def collective(self, name: str) -> Iterator[None]:
+    def collective(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
         """Name what runs inside: a timeout or a peer failure there becomes a `CollectiveTimeout`.
 
         Wraps the trainer's own collectives and the phases whose model forwards hold FSDP collectives
@@ -169,9 +194,14 @@ class DistEnv:
                     w in text.lower() for w in ("timeout", "timed out", "connection", "closed", "peer")
                 ):
                     raise
+                limit = (
+                    f"distributed.timeout_s={self.timeout_s:g} s"
+                    if timeout_s is None
+                    else f"its group's {timeout_s:g} s"
+                )
                 raise CollectiveTimeout(
                     f"rank {self.rank}/{self.world_size}: collective '{name}' did not complete within "
-                    f"distributed.timeout_s={self.timeout_s:g} s (another rank stalled, died or diverged): "
+                    f"{limit} (another rank stalled, died or diverged): "
                     f"{text.splitlines()[0] if text else type(error).__name__}"
                 ) from error
         finally:
@@ -222,6 +252,18 @@ class DistEnv:
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor, name: str = "all_reduce max") -> torch.Tensor:
+        """The elementwise max over ranks, on this rank's device (NaN wins: a check must not hide it)."""
+        tensor = self.to_device(tensor)
+        if self.enabled:
+            nan = torch.isnan(tensor)
+            # gloo's and NCCL's MAX need not propagate NaN: NaN travels as +inf, then comes back.
+            both = torch.stack([torch.where(nan, torch.inf, tensor), nan.to(tensor.dtype)])
+            with self.collective(name):
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            tensor = torch.where(both[1] > 0, torch.nan, both[0])
+        return tensor
+
     def any(self, flag: bool | torch.Tensor, name: str) -> bool:
         """True on every rank when ``flag`` is True on any rank (one small all-reduce, one host read).
 
@@ -245,14 +287,53 @@ class DistEnv:
             dist.broadcast_object_list(box, src=src, device=self.device)
         return box[0]
 
-    def gather_objects(self, obj: Any, name: str) -> Sequence[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+    def gather_objects(
+        self, obj: Any, name: str, group: Any = None, timeout_s: float | None = None
+    ) -> Sequence[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (over ``group``, whose timeout is
+        ``timeout_s``: a `waiting_group`; default the process group)."""
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        with self.collective(name):
-            dist.all_gather_object(out, obj)
+        with self.collective(name, timeout_s):
+            if group is None:
+                dist.all_gather_object(out, obj)
+            else:
+                dist.all_gather_object(out, obj, group=group)
         return out
+
+    def waiting_group(self, timeout_s: float) -> Any:
+        """A gloo group of every rank whose collectives wait up to ``timeout_s`` (None on one process):
+        for a wait longer than ``distributed.timeout_s`` allows on the NCCL group (a rollout worker's
+        start-up). Every rank creates it at the same point, as a collective."""
+        if not self.enabled:
+            return None
+        with self.collective("create a waiting group"):
+            return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def start_on_every_rank(self, start: Callable[[], T], name: str, timeout_s: float) -> T:
+        """``start()`` on every rank, then every rank waits for all the others on a `waiting_group` of
+        ``timeout_s`` (not on the NCCL group, which a slow start would time out). A rank whose
+        ``start`` raised re-raises it; the others raise naming it, so no rank is left waiting."""
+        group = self.waiting_group(timeout_s)  # before any rank starts: they are all here together
+        result: Any = None
+        failure: Exception | None = None
+        try:
+            result = start()
+        except Exception as error:  # told to every rank below
+            failure = error
+        own = None if failure is None else f"{type(failure).__name__}: {failure}"
+        errors = self.gather_objects(own, f"wait for every rank: {name}", group=group, timeout_s=timeout_s)
+        if failure is not None:
+            raise failure
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+            rank, error = failed[0]
+            raise RuntimeError(f"rank {rank} could not {name}: {error}")
+        return result
 
     def barrier(self, name: str = "barrier") -> None:
         if self.enabled:
@@ -262,6 +343,81 @@ class DistEnv:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class MultiNodeError(DeviceError):
+    """A multi-node job that cannot work: no reachable ``MASTER_ADDR``, or a run folder not shared."""
+
+
+LOOPBACK = ("127.", "localhost", "::1", "0.0.0.0")
+
+
+def check_multi_node_env(env: Mapping[str, str]) -> None:
+    """Refuse a job over several nodes whose ``MASTER_ADDR`` is unset or a loopback address.
+
+    Several nodes: ``NNODES`` > 1 (the launch scripts' variable), or torchrun's ``WORLD_SIZE`` above
+    its ``LOCAL_WORLD_SIZE``. Every node would look for rank 0's store on itself and wait until
+    ``distributed.timeout_s``; this says why at once.
+    """
+    world = int(env.get("WORLD_SIZE", "1"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    nnodes = int(env.get("NNODES", "1") or "1")
+    if nnodes <= 1 and world <= local_world:
+        return
+    addr = env.get("MASTER_ADDR", "").strip()
+    if not addr or addr.lower().startswith(LOOPBACK):
+        nodes = f"NNODES={nnodes}" if nnodes > 1 else f"WORLD_SIZE={world} > LOCAL_WORLD_SIZE={local_world}"
+        raise MultiNodeError(
+            f"MASTER_ADDR={addr or '(unset)'} on several nodes ({nodes}): every node would wait for rank 0 "
+            "on itself. Set MASTER_ADDR to the address of the node with NODE_RANK=0, the same on every node "
+            "(docs/reliability.md, 'Several nodes')"
+        )
+
+
+SHARED_CHECK_PREFIX = ".shared_check_"
+
+
+def check_shared_folder(
+    folder: Path, env: DistEnv, key: str = "logging.run_dir", wait_s: float = 10.0
+) -> None:
+    """Every rank sees a file rank 0 writes into ``folder`` (which rank 0 has created), or a
+    `MultiNodeError` naming ``key`` and the ranks that do not.
+
+    Checkpoints are written by rank 0 and read by every rank on resume, so a job over several nodes
+    needs the run folder on a filesystem they share. A network filesystem may show a new file to
+    another node a moment late (attribute caching): each rank looks for up to ``wait_s`` seconds.
+    Collective: every rank calls it.
+    """
+    import secrets
+    import socket
+    import time
+
+    token = secrets.token_hex(8) if env.is_main else None
+    path = None
+    if env.is_main:
+        path = folder / f"{SHARED_CHECK_PREFIX}{token}"
+        path.write_text(token)
+    token = env.broadcast_object(token, "check the run folder is shared")
+    deadline = time.monotonic() + wait_s
+    mine = folder / f"{SHARED_CHECK_PREFIX}{token}"
+    while True:
+        try:
+            seen = mine.read_text() == token
+        except OSError:
+            seen = False
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    seen_by = env.gather_objects((seen, socket.gethostname()), "check the run folder is shared: results")
+    if path is not None:
+        path.unlink(missing_ok=True)
+    missing = [f"rank {r} on {host}" for r, (ok, host) in enumerate(seen_by) if not ok]
+    if missing:
+        raise MultiNodeError(
+            f"{key}={folder}: {', '.join(missing)} cannot see a file rank 0 wrote there. Rank 0 writes the "
+            "checkpoints and every rank reads them on resume: on several nodes the run folder must be on a "
+            "filesystem every node mounts at the same path (docs/reliability.md, 'Several nodes')"
+        )
 
 
 FSDP_BLOCK_LISTS = (

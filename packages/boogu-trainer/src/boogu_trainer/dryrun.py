@@ -1123,7 +1123,7 @@ def planned_peaks(
         reference_images=reference_images,
     )
     static = plan.static_total
-    rollout = max(plan.phases[k].bytes for k in ("rollout", "vae decode", "text encoder"))
+    rollout = max(plan.phases[k].bytes for k in ("rollout", "vae decode", "text encoder") if k in plan.phases)
     out = {"rollout": static + rollout, "train": static + plan.phases["train"].bytes, "step": plan.peak}
     return {k: round(v / 2**30, 3) for k, v in out.items()}
 

@@ -285,30 +285,41 @@ class Learner:
         return "ok"
 
     def finish(self, acc, *, finite: bool, weights_finite: bool = True) -> UpdateResult:
-        """The update's metrics (the loss terms' and the algorithm's), read from the device once."""
+        """The update's metrics (the loss terms' and the algorithm's), read from the device once.
+
+        Over several ranks: the loss terms' means are averaged over the ranks (each holds an equal share
+        of every mini-batch, so that is the global mean), the algorithm's checks (`Algorithm.metrics`:
+        the on-policy log-prob difference, the first step's clip fraction) take their max over the
+        ranks; the grad norm is global already. Every rank gets the same record.
+        """
         self.transformer.eval()
         out: dict[str, Any] = {}
-        on_device: list[tuple[str, torch.Tensor]] = []
+        means: dict[str, torch.Tensor] = {}
         for key, values in acc.items():
             if not values:
                 continue
             if isinstance(values[0], torch.Tensor):
-                on_device.append((key, torch.stack([v.double() for v in values]).mean()))
+                means[key] = torch.stack([v.double() for v in values]).mean()
             else:
                 out[key] = sum(values) / len(values)
-        means = dict(on_device)
-        if RATIO_SQ_DEV in means:  # the update's ratio std, pooled (read with the rest, no extra sync)
-            std = pooled_ratio_std(means["ratio_mean"], means[RATIO_SQ_DEV])
-            on_device = [(k, v) for k, v in on_device if k != RATIO_SQ_DEV] + [("ratio_std", std)]
+        checks: dict[str, torch.Tensor] = {}
         for key, value in self.algorithm.metrics().items():
             if isinstance(value, torch.Tensor):
-                on_device.append((key, value.double()))
+                checks[key] = value.double().reshape(())
             else:
                 out[key] = value
+        # The same keys on every rank (they follow the config), so the collectives match.
+        if means:
+            reduced = self.dist.all_reduce_sum(torch.stack(list(means.values())), "update metrics: mean")
+            means = dict(zip(means, reduced / self.dist.world_size, strict=True))
+        if checks:
+            reduced = self.dist.all_reduce_max(torch.stack(list(checks.values())), "update metrics: max")
+            checks = dict(zip(checks, reduced, strict=True))
+        if RATIO_SQ_DEV in means:  # the update's ratio std, pooled over every rank's samples
+            means["ratio_std"] = pooled_ratio_std(means["ratio_mean"], means.pop(RATIO_SQ_DEV))
+        on_device = {**means, **checks}
         if on_device:  # one read of everything the update measured on the device
-            out.update(
-                zip([k for k, _ in on_device], torch.stack([v for _, v in on_device]).tolist(), strict=True)
-            )
+            out.update(zip(on_device, torch.stack(list(on_device.values())).tolist(), strict=True))
         out["optimizer_steps"] = self.counters["optimizer_steps"]
         return UpdateResult(metrics=out, finite=finite, weights_finite=weights_finite)
 

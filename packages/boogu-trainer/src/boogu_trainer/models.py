@@ -75,8 +75,11 @@ def base_model_path(config: TrainerConfig) -> Path:
     return Path(ensure_tiny_checkpoint(folder))
 
 
-def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
-    """The run's base model (no LoRA), in ``model.dtype`` on ``device``."""
+def load_base_parts(
+    config: TrainerConfig, device: torch.device, text_encoder_placement: str = "resident"
+) -> BooguParts:
+    """The run's base model (no LoRA), in ``model.dtype`` on ``device``; the text encoder as
+    ``text_encoder_placement`` says (`text_encoder_device`)."""
     m = config.model
     return load_boogu(
         base_model_path(config),
@@ -84,7 +87,15 @@ def load_base_parts(config: TrainerConfig, device: torch.device) -> BooguParts:
         trust_remote_code=m.trust_remote_code,
         dtype=resolve_dtype(m.dtype, device),
         device=device,
+        text_encoder_device=text_encoder_device(text_encoder_placement, device),
     )
+
+
+def text_encoder_device(placement: str, device: torch.device) -> torch.device:
+    """Where the text encoder's weights are loaded for a placement (`plan.text_encoder_placement`):
+    ``worker``: nowhere (meta; the rollout worker encodes), ``offloaded``: host memory, ``resident``:
+    the run's device."""
+    return {"worker": torch.device("meta"), "offloaded": torch.device("cpu")}.get(placement, device)
 
 
 def check_lora_rank(transformer: torch.nn.Module, rank: int, target_modules) -> None:

@@ -21,6 +21,11 @@ step order (step k+1's while step k's update runs, here), and an evaluation draw
 own (`Evaluator.evaluate`), so an evaluation between steps k and k+1 moves nothing that step k+1's
 rewards, or a checkpoint of step k, depend on.
 
+Memory: the batch in flight and the weights it was sampled with wait in host memory (pinned on a
+GPU: the engine's `trajectories_on_host`, and `hold`'s copy) until that batch is trained on; only
+then is it copied to the device (`wait` with ``on_device``, non-blocking from pinned memory), so the
+update's peak holds no second batch and no LoRA copy (``trainer --plan`` lists them as host memory).
+
 Timing (`step_times`): the thread records when each rollout ran; a step's record says how much of
 its wall time a rollout was running (``time/rollout_busy``), how much of the update it overlapped
 (``time/overlap``) and how long each side was idle.
@@ -28,6 +33,8 @@ its wall time a rollout was running (``time/rollout_busy``), how much of the upd
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -87,9 +94,10 @@ class RolloutPipeline:
 
     # ---- weights -------------------------------------------------------------------------------
     def hold(self, version: int, lora: dict[str, torch.Tensor] | None) -> None:
-        """The engine now samples with ``lora`` as ``version``; a copy is kept (the optimizer moves
-        the trainer's tensors in place), since a checkpoint may need it while a batch is in flight."""
-        copy = None if lora is None else {k: v.detach().clone() for k, v in lora.items()}
+        """The engine now samples with ``lora`` as ``version``; a copy is kept in host memory (the
+        optimizer moves the trainer's tensors in place), since a checkpoint may need it while a batch
+        is in flight. Once a step, after the weights were sent (which read them to the host already)."""
+        copy = None if lora is None else {k: v.detach().to("cpu", copy=True) for k, v in lora.items()}
         self.held = (version, copy)
 
     # ---- rollouts ------------------------------------------------------------------------------
@@ -120,15 +128,25 @@ class RolloutPipeline:
         if self.device.type == "cuda":  # the current device is per thread: this rank's, not GPU 0
             torch.cuda.set_device(self.device)
         t0 = time.perf_counter()
-        sampled = self.scorer.sample(records, group_offset, step)
+        on_host = getattr(self.scorer.engine, "trajectories_on_host", None)
+        with on_host() if on_host is not None else contextlib.nullcontext():
+            sampled = self.scorer.sample(records, group_offset, step)
         return sampled, t0, time.perf_counter()
 
-    def wait(self, flight: InFlight) -> SampledBatch:
-        """The rollout of ``flight`` (its rewards scored); re-raises what the thread raised."""
+    def wait(self, flight: InFlight, *, on_device: bool = False) -> SampledBatch:
+        """The rollout of ``flight`` (its rewards scored); re-raises what the thread raised.
+        ``on_device``: its trajectory copied to the trainer's device (the batch about to be trained
+        on); otherwise it stays where the engine left it (host memory, for a pipelining engine)."""
         assert flight.future is not None, f"step {flight.step + 1}'s batch was deferred, not requested"
         sampled, t0, t1 = flight.future.result()
         if (t0, t1) not in self._busy:
             self._busy.append((t0, t1))
+        if on_device:
+            device = self.device
+            trajectory = sampled.trajectory.map_tensors(
+                lambda t: t if t.device == device else t.to(device, non_blocking=t.is_pinned())
+            )
+            sampled = dataclasses.replace(sampled, trajectory=trajectory)
         return sampled
 
     def check_version(self, flight: InFlight, sampled: SampledBatch, step: int) -> None:

@@ -16,6 +16,15 @@ hence the ``headroom`` fraction kept free when sizing micro-batches):
 * **text encoder and VAE decode working memory**: the encoder's per-layer hidden states (it is called
   with ``output_hidden_states=True``) plus one layer's transients, estimated from its config; the VAE
   decode of one latent simulated on meta like the transformer.
+* **where the text encoder lives** (`text_encoder_placement`): with ``rollout.engine=vllm_omni`` the
+  worker encodes and the trainer holds no encoder weights; with the local engine they are resident,
+  or, when they do not fit (``model.text_encoder_offload``), in host memory and moved in for each
+  encode (their bytes then count in the encoder phase only).
+* **the rotary cache**: the transformer keeps the rotary tensors of its last ``ROTARY_CACHE_SIZE``
+  token layouts (float32 per position and head dim, five stages), counted as that many layouts of
+  the largest call (`rotary_cache_bytes`).
+* **the one-step pipeline** (``rollout.pipeline=one_step``): the next batch and the LoRA it was
+  sampled with wait in pinned host memory until trained on; listed under host memory, not the GPU's.
 
 The peak of a step is weights + LoRA state + the largest of the phases (rollout call, VAE decode,
 encoder call, training micro-batch). ``tests/trainer/test_perf_plan.py`` checks the simulated
@@ -52,7 +61,11 @@ __all__ = [
     "check_rollout_fits",
     "device_memory_bytes",
     "fused_attention_stand_in",
+    "pipeline_batch_bytes",
     "plan_memory",
+    "rank_text_encoder_placement",
+    "rotary_cache_bytes",
+    "text_encoder_placement",
     "train_micro_batch_rows",
     "transformer_activation_bytes",
     "vae_decode_bytes",
@@ -289,6 +302,76 @@ def _encoder_bytes(mllm_config: dict[str, Any], tokens: int, bytes_per: int) -> 
     return 0.0, float(per_token * tokens * bytes_per)
 
 
+def rotary_cache_bytes(
+    transformer_config: dict[str, Any],
+    *,
+    rows: int,
+    text_tokens: int,
+    target_grid: tuple[int, int],
+    reference_images: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """Bytes of one rotary-cache entry: the rotary tensors of one transformer call of ``rows`` rows.
+
+    ``BooguImageTransformer2DModel._stage_rotary`` keeps, per token layout, ``(..., head_dim / 2, 2)``
+    tensors in ``rotary_dtype(dtype)`` for the text (T), the target (I), the references (R x I), the
+    whole image (I + R x I) and the joint sequence (T + I + R x I) of every row: per row
+    ``2 T + 3 (R + 1) I`` positions (~6 MiB a row at 1024^2 in bf16, 12 for an edit row).
+    """
+    from boogu_adapters.model.rope import rotary_dtype
+
+    cfg = transformer_config
+    head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    image = target_grid[0] * target_grid[1]
+    positions = 2 * text_tokens + 3 * (reference_images + 1) * image
+    itemsize = torch.tensor([], dtype=rotary_dtype(dtype)).element_size()
+    return rows * positions * head_dim * itemsize
+
+
+def pipeline_batch_bytes(
+    transformer_config: dict[str, Any],
+    *,
+    samples: int,
+    window: int,
+    height: int,
+    width: int,
+    text_tokens: int,
+    negative: bool,
+    reference_images: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """Bytes of a rolled-out batch as the trainer keeps it (`Trajectory`): float32 latents
+    ``(B, W+1, C, h, w)``, means ``(B, W, C, h, w)`` and final latents, the prompt features (and the
+    negative ones with CFG) and reference latents in the model dtype. Images (uint8) are not counted:
+    they stay on the host for the rewards."""
+    cfg = transformer_config
+    latent = int(cfg.get("in_channels", 16)) * (height // 8) * (width // 8)
+    feat = int(
+        cfg.get("instruction_feature_configs", {}).get("instruction_feat_dim", cfg.get("hidden_size", 0))
+    )
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    per_sample = (window + 1 + window + 1) * latent * 4 + 4 * window * 4
+    per_sample += (2 if negative else 1) * text_tokens * (feat * itemsize + 8)
+    per_sample += reference_images * latent * itemsize
+    return samples * per_sample
+
+
+def text_encoder_placement(config: Any, *, fits_resident: bool | None, device_type: str) -> str:
+    """Where a rank keeps the text encoder's weights: ``'worker'`` (``rollout.engine=vllm_omni``: the
+    worker encodes, the trainer loads none), ``'offloaded'`` (host memory, moved to the GPU for each
+    encode) or ``'resident'`` (on the GPU). ``model.text_encoder_offload``: ``always``/``never``, or
+    ``auto``: offloaded on CUDA when ``fits_resident`` is False (the plan of the run with it
+    resident; None: not known, resident). The one rule for the trainer and the plan."""
+    if config.rollout.engine != "local":
+        return "worker"
+    setting = config.model.text_encoder_offload
+    if setting == "always":
+        return "offloaded"
+    if setting == "never" or device_type != "cuda":
+        return "resident"
+    return "offloaded" if fits_resident is False else "resident"
+
+
 def _count_params(module: nn.Module) -> int:
     return sum(math.prod(p.shape) for p in module.parameters())
 
@@ -327,6 +410,10 @@ class MemoryPlan:
     gpu_memory: float | None = None
     headroom: float = 0.1
     train_without_checkpointing: PhaseMemory | None = None
+    text_encoder: str = "resident"
+    """Where the text encoder's weights are (`text_encoder_placement`): resident, offloaded, worker."""
+    host: dict[str, float] = field(default_factory=dict)
+    """Host memory the run holds beside the GPU's (pinned pipeline batches, an offloaded encoder)."""
 
     @property
     def static_total(self) -> float:
@@ -339,6 +426,13 @@ class MemoryPlan:
     @property
     def peak_phase(self) -> str:
         return max(self.phases.values(), key=lambda p: p.bytes).name
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits ``gpu_memory`` less the headroom (None: no GPU memory given)."""
+        if self.gpu_memory is None:
+            return None
+        return self.peak <= self.gpu_memory * (1 - self.headroom)
 
     def max_micro_batch(self, phase: str) -> int | None:
         """The largest items per call of ``phase`` ('rollout' or 'train') fitting ``gpu_memory``."""
@@ -367,8 +461,11 @@ class MemoryPlan:
                 f"    {p.name:34s} {gib(p.bytes)}  ({p.fixed / GiB:.2f} + {p.per_item / GiB:.3f} x {p.items} {p.unit})"
             )
         lines.append(f"  expected peak: {gib(self.peak).strip()} (during {self.peak_phase})")
+        if self.host:
+            lines.append("  host memory (not on the GPU):")
+            lines += [f"    {k:34s} {gib(v)}" for k, v in self.host.items()]
         if self.gpu_memory is not None:
-            fits = self.peak <= self.gpu_memory * (1 - self.headroom)
+            fits = self.fits
             lines.append(
                 f"  GPU memory {self.gpu_memory / GiB:.0f} GiB ({self.headroom:.0%} kept free): "
                 f"{'fits' if fits else 'DOES NOT FIT'}"
@@ -555,7 +652,10 @@ def plan_memory(
         headroom=headroom,
     )
     plan.static["transformer weights" + (f" (1/{shard})" if shard > 1 else "")] = base_params * nbytes / shard
-    plan.static["text encoder weights"] = _text_encoder_params(mcfg) * nbytes
+    encoder_weights = float(_text_encoder_params(mcfg) * nbytes)
+    local = config.rollout.engine == "local"
+    if local:  # placed after the phases are known (`text_encoder_placement`)
+        plan.static["text encoder weights"] = encoder_weights
     plan.static["VAE weights"] = _vae_params(vcfg) * nbytes
     lora_state = 4 + 4 + 8 + (4 if config.ema.enabled else 0)
     plan.static[f"LoRA r={rank}: params+grads+AdamW" + ("+EMA" if config.ema.enabled else "")] = (
@@ -623,7 +723,61 @@ def plan_memory(
     plan.phases["vae decode"] = PhaseMemory("vae decode", fixed, per, rollout_items, "images per decode")
     fixed, per = _encoder_bytes(mcfg, text_tokens, nbytes)
     prompts = max(config.data.prompts_per_step // world_size, 1) + 1
-    plan.phases["text encoder"] = PhaseMemory("text encoder", fixed, per, prompts, "prompt rows")
+    if local:  # with vllm-omni the worker encodes
+        plan.phases["text encoder"] = PhaseMemory("text encoder", fixed, per, prompts, "prompt rows")
+    # The rotary cache: ROTARY_CACHE_SIZE layouts, bounded by the largest call this rank's transformer
+    # makes (rollouts and evaluations run in the worker with vllm-omni).
+    from boogu_adapters.model.transformer import ROTARY_CACHE_SIZE
+
+    rows = max(rollout_items * cfg_rows if local else 0, train_items * train_rows)
+    entry = rotary_cache_bytes(
+        tcfg,
+        rows=rows,
+        text_tokens=text_tokens,
+        target_grid=grid,
+        reference_images=reference_images,
+        dtype=dtype,
+    )
+    plan.static[f"rotary cache ({ROTARY_CACHE_SIZE} layouts x {rows} rows)"] = float(
+        ROTARY_CACHE_SIZE * entry
+    )
+    if config.rollout.pipeline == "one_step":
+        window = s.window_size if s.window_size is not None else s.num_steps - 1
+        plan.host[f"one-step pipeline: next batch ({per_rank} samples, pinned)"] = float(
+            pipeline_batch_bytes(
+                tcfg,
+                samples=per_rank,
+                window=window,
+                height=s.height,
+                width=s.width,
+                text_tokens=text_tokens,
+                negative=uses_cfg(s.guidance_scale),
+                reference_images=reference_images,
+                dtype=dtype,
+            )
+        )
+        plan.host["one-step pipeline: LoRA it was sampled with"] = float(lora_params * 4)
+    plan.text_encoder = text_encoder_placement(config, fits_resident=plan.fits, device_type=device_type)
+    if plan.text_encoder == "offloaded":
+        del plan.static["text encoder weights"]
+        phase = plan.phases["text encoder"]
+        plan.phases["text encoder"] = PhaseMemory(
+            "text encoder (weights moved in)",
+            phase.fixed + encoder_weights,
+            phase.per_item,
+            phase.items,
+            phase.unit,
+        )
+        plan.host["text encoder weights (offloaded)"] = encoder_weights
+    placement = {
+        "worker": "the vllm-omni worker encodes the prompts: no text encoder weights on the trainer's GPU",
+        "offloaded": f"the text encoder ({encoder_weights / GiB:.1f} GiB) waits in host memory and is moved "
+        "to the GPU for each encode (model.text_encoder_offload="
+        f"{config.model.text_encoder_offload})",
+        "resident": "the text encoder stays on the GPU (model.text_encoder_offload="
+        f"{config.model.text_encoder_offload}; 'auto' offloads it when the run does not fit with it)",
+    }[plan.text_encoder]
+    plan.notes.append(placement)
     refs = f", {reference_images} reference image(s) of that size per sample" if reference_images else ""
     plan.notes.append(
         f"{text_tokens} instruction tokens assumed per prompt; target {s.height}x{s.width} "
@@ -636,3 +790,25 @@ def plan_memory(
         "live tensor bytes; the CUDA caching allocator and NCCL buffers need some of the headroom"
     )
     return plan
+
+
+def rank_text_encoder_placement(
+    config: Any, device: torch.device, world_size: int = 1, reference_images: int = 0
+) -> str:
+    """Where this rank keeps the text encoder (`plan.text_encoder_placement`). With
+    ``model.text_encoder_offload=auto`` on a CUDA device of known memory, the memory plan of this run
+    on that GPU decides: offloaded when it does not fit with the encoder resident."""
+    m = config.model
+    if config.rollout.engine != "local" or m.text_encoder_offload != "auto" or device.type != "cuda":
+        return text_encoder_placement(config, fits_resident=None, device_type=device.type)
+    total = device_memory_bytes(device)
+    if total is None:
+        return "resident"
+    plan = plan_memory(
+        config,
+        world_size=world_size,
+        gpu_memory_gb=total / GiB,
+        device_type="cuda",
+        reference_images=reference_images,
+    )
+    return plan.text_encoder

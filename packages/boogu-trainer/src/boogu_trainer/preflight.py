@@ -13,8 +13,10 @@ size, ``PROBE_STEPS`` denoising steps with a one-step SDE window inside, one bac
 * ``gradients``: one backward of the probe's window log-prob gives a non-zero gradient on every
   adapted module the forward ran (modules the probe never runs, e.g. the reference-image refiner on
   text-to-image prompts, are reported, not failed);
-* ``on_policy_ratio``: the recomputed log-prob equals the rollout's (max |diff| == 0 on CPU; on CUDA
-  within ``CUDA_LOGPROB_RTOL`` relative, since kernels may differ between no-grad and grad forwards);
+* ``on_policy_ratio``: the recomputed log-prob equals the rollout's within what this device and dtype's
+  kernels allow (`onpolicy.LOGPROB_TOLERANCE`: 1e-6 on CPU in float32) and, with flow_grpo, within a
+  tenth of the clip range (`onpolicy.logprob_diff_limit`), and the loss clips none of the probe's
+  ratios: the max over ranks;
 * ``reward_spread``: the probe's total reward varies within at least one group, or at least across
   its prompts (a coarse verifier on the probe's few-step images may rate a whole group alike);
 * ``weight_sync``: a perturbed LoRA, published through ``Trainer.publish_weights``, changes the
@@ -47,8 +49,10 @@ from boogu_adapters.lora import is_lora_b
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_schedule import WindowPlan, derive_seed
+from boogu_trainer.algorithms import FlowGRPO
 from boogu_trainer.distributed import local_tensor
 from boogu_trainer.evaluation import deterministic_request
+from boogu_trainer.onpolicy import ON_POLICY_FIX, limit_source, logprob_diff_limit, logprob_tolerance
 from boogu_trainer.perf import unwrap_transformer
 
 if TYPE_CHECKING:
@@ -72,13 +76,6 @@ SYNC_PROBE_STEPS = 1
 """Deterministic steps of the weight-sync probes (one forward shows whether the weights changed)."""
 SYNC_DELTA = 1e-2
 """Added to every ``lora_B`` for the weight-sync check (then undone)."""
-CUDA_LOGPROB_RTOL = 1e-3
-"""On CUDA, or with an engine holding its own copy of the model, the on-policy check allows
-|diff| <= rtol * max(1, |log p|)."""
-CPU_LOGPROB_RTOL = 1e-6
-"""The local engine on CPU runs the very same ops: exact where rollout and training forwards hold as
-many rows, a few float32 ulps where they do not (CPU matrix kernels may block by row count: ~1e-7
-seen on an AVX-512/AMX Xeon). A dtype, schedule or weights mismatch is orders of magnitude larger."""
 
 CHECKS = ("lora_targets", "reward_spread", "on_policy_ratio", "gradients", "weight_sync")
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -428,16 +425,23 @@ def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tup
     was_training = transformer.training
     transformer.train()
     diff = torch.zeros((), dtype=torch.float64, device=device)
-    scale = torch.ones((), dtype=torch.float64, device=device)
+    clipped = torch.zeros((), dtype=torch.float64, device=device)  # the loss's clipped ratios
     rows = torch.arange(traj.batch_size)
     chunks = learner.micro_batches(rows)
+    algorithm = learner.algorithm if isinstance(learner.algorithm, FlowGRPO) else None
     try:
         for k in range(traj.window_size):
             for chunk in chunks:
                 stats = learner.recompute.step_stats(transformer, traj, k, index=chunk)
                 old = learner.recompute.rows(traj.log_prob, chunk)[:, k]
                 diff = torch.maximum(diff, (stats.log_prob.detach().double() - old.double()).abs().max())
-                scale = torch.maximum(scale, old.double().abs().max())
+                if algorithm is not None:  # the clip of the run's own loss (PPO-clip or GRPO-Guard)
+                    with torch.no_grad():
+                        step = learner.recompute.rows(traj.step_index, chunk)[:, k]
+                        dt = traj.sigmas[step + 1] - traj.sigmas[step]
+                        ones = torch.ones(len(chunk), device=old.device)
+                        pl = algorithm.objective(stats, traj, k, chunk, ones, dt)
+                    clipped = clipped + pl.metrics["clipfrac"].double() * len(chunk)
                 (stats.log_prob.mean() * len(chunk) / traj.batch_size).backward()
     finally:
         for h in hooks:
@@ -451,25 +455,38 @@ def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tup
             for ps in lora_params
         ]
     )
-    both = torch.cat([norms, ran.to(device), torch.stack([diff, scale])])
-    host = dist.all_reduce_sum(both, "preflight: gradient and ratio check").cpu()
+    both = torch.cat([norms, ran.to(device)])
+    host = dist.all_reduce_sum(both, "preflight: gradient check").cpu()
     norms_h, ran_h = host[: len(layers)], host[len(layers) : 2 * len(layers)]
-    diff_h = float(host[-2])  # the sum over ranks: a bound on the largest
-    scale_h = float(host[-1])
+    worst = dist.all_reduce_max(
+        torch.stack([diff, clipped / (traj.window_size * traj.batch_size)]), "preflight: ratio check"
+    )
+    diff_h, clipfrac_h = worst.tolist()  # the max over ranks
 
-    cuda = device.type == "cuda"
     # An engine with its own copy of the model (vllm-omni's transformer port, another process) agrees
-    # to float rounding, like CUDA kernels; the local engine on CPU runs the very same ops (see
-    # CPU_LOGPROB_RTOL).
+    # to float rounding; the local engine runs the very same ops (`onpolicy.LOGPROB_TOLERANCE`).
     own_copy = trainer.engine is not trainer.local_engine
-    rtol = CUDA_LOGPROB_RTOL if (cuda or own_copy) else CPU_LOGPROB_RTOL
-    tol = rtol * scale_h
-    who = type(trainer.engine).__name__ if own_copy else ("CUDA" if cuda else "CPU")
-    rule = f"{who}: |diff| <= {rtol:g} x max(1, |log p|)"
+    base_dtype = next(p.dtype for n, p in transformer.named_parameters() if "lora_" not in n)
+    kernels = logprob_tolerance(device.type, base_dtype, own_copy=own_copy)
+    limit = logprob_diff_limit(trainer.config)
+    tol = kernels if limit is None else min(kernels, limit)
+    who = (
+        type(trainer.engine).__name__
+        if own_copy
+        else f"{device.type} {str(base_dtype).removeprefix('torch.')}"
+    )
+    rule = f"|diff| <= {kernels:g} ({who})" + (
+        "" if limit is None else f" and {limit:g} ({limit_source(trainer.config)}), no clipped ratio"
+    )
     ratio = CheckResult(
         "on_policy_ratio",
-        diff_h <= tol,
-        {"max_abs_logprob_diff": diff_h, "tolerance": tol, "window_steps": traj.window_size},
+        diff_h <= tol and not clipfrac_h > 0,
+        {
+            "max_abs_logprob_diff": diff_h,
+            "tolerance": tol,
+            "clipfrac": clipfrac_h,
+            "window_steps": traj.window_size,
+        },
         rule,
     )
     exercised = [i for i in range(len(layers)) if ran_h[i] > 0]
@@ -481,13 +498,22 @@ def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tup
         {"adapted": len(layers), "ran": len(exercised), "nonzero_grad": len(exercised) - len(dead)},
         (f"not run by the probe (no check): {_summarize(unused)}" if unused else ""),
     )
-    if not ratio.passed:
+    if not ratio.passed and not diff_h <= kernels:  # NaN too
         raise PreflightError(
             "on_policy_ratio",
             f"the learner's recomputed log-prob differs from the rollout's by {diff_h:.3g} "
-            f"(allowed {tol:.3g}) before any update: the ratio is not 1, the PPO clip would act on noise. "
+            f"(allowed {kernels:.3g} for {who}) before any update: the ratio is not 1, the PPO clip would act on noise. "
             "Fix: the rollout and the training step must run the same function with the same weights "
             "(dropout? lora.* differing between engine and trainer? model.compile only on one side?)",
+            ratio,
+            grads,
+        )
+    if not ratio.passed:
+        raise PreflightError(
+            "on_policy_ratio",
+            f"the learner's recomputed log-prob differs from the rollout's by {diff_h:.3g}, within what "
+            f"{who} kernels do ({kernels:.3g}) but above {limit_source(trainer.config)} = {tol:.3g}, and the "
+            f"loss clips {clipfrac_h:.3g} of the probe's ratios before any update: {ON_POLICY_FIX}",
             ratio,
             grads,
         )

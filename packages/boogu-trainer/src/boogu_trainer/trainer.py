@@ -48,7 +48,7 @@ from boogu_trainer.config import (
     config_to_yaml,
 )
 from boogu_trainer.data import PromptSampler, check_prompt_lengths, demo_records, load_sourced_records
-from boogu_trainer.distributed import DistEnv, shard_transformer
+from boogu_trainer.distributed import DistEnv, check_shared_folder, shard_transformer, startup_wait_s
 from boogu_trainer.evaluation import EvalResult, Evaluator, GoldTracker, Verdict
 from boogu_trainer.faults import fault_point
 from boogu_trainer.learner import Learner, UpdateResult
@@ -60,8 +60,9 @@ from boogu_trainer.models import (
     load_base_parts,
     prepare_policy,
 )
+from boogu_trainer.onpolicy import ON_POLICY_FIX, on_policy_problem
 from boogu_trainer.pipeline import InFlight, RolloutPipeline
-from boogu_trainer.plan import check_rollout_fits
+from boogu_trainer.plan import check_rollout_fits, rank_text_encoder_placement
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.scoring import RolloutScorer, ScoredBatch
@@ -138,6 +139,8 @@ class Trainer:
         if lock:
             self.lock_run_folder()
         try:
+            if lock and self.dist.multi_node:  # rank 0 writes the checkpoints every rank resumes from
+                check_shared_folder(self.run_dir, self.dist)
             self._start(config, parts, worker_log_dir)
         except BaseException:
             self.close()  # a launched rollout worker stops with a failed start; then the lock goes
@@ -162,6 +165,11 @@ class Trainer:
         # Before the model, and before anything is written in the run folder (it holds only its lock).
         edit = any(record.ref_image is not None for record in self._train_rows[0])
         check_rollout_fits(config, self.device, self.dist.world_size, edit=edit)
+        self.text_encoder_placement = rank_text_encoder_placement(
+            config, self.device, self.dist.world_size, reference_images=int(edit)
+        )
+        """Where the text encoder's weights are: on the GPU, in host memory between encodes, or not
+        loaded (the vllm-omni worker encodes); `plan.text_encoder_placement`."""
         self.parts = parts if parts is not None else self._load_parts()
         self.transformer = prepare_policy(self.parts.transformer, config)
         if self.dist.enabled:
@@ -177,12 +185,21 @@ class Trainer:
             # Under FSDP2 a reused text path skips its blocks' all-gathers: every rank would have to
             # reuse alike, step for step. It saves little at the sizes that shard; keep it to one rank.
             cache_text_path=not self.dist.enabled,
+            text_encoder_offload=self.device if self.text_encoder_placement == "offloaded" else None,
         )
         """The in-process engine: the encoders and RoPE tables training uses, and the rollouts unless
         ``rollout.engine`` names another engine."""
         self._worker_log_dir = worker_log_dir if worker_log_dir is not None else config.run_path / "logs"
         self.engine: RolloutEngine = (
-            self.local_engine if config.rollout.engine == "local" else self._remote_engine()
+            self.local_engine
+            if config.rollout.engine == "local"
+            # Every rank's worker up before any rank goes on, waiting on a group whose timeout covers a
+            # worker's start-up: on the NCCL group a slow worker would trip distributed.timeout_s.
+            else self.dist.start_on_every_rank(
+                self._remote_engine,
+                "start its rollout worker",
+                startup_wait_s(config.rollout.vllm.startup_timeout_s, self.dist.timeout_s),
+            )
         )
         self._build_components(config)
 
@@ -259,7 +276,7 @@ class Trainer:
 
     # ---- construction --------------------------------------------------------------------------
     def _load_parts(self) -> BooguParts:
-        return load_base_parts(self.config, self.device)
+        return load_base_parts(self.config, self.device, self.text_encoder_placement)
 
     def _remote_engine(self) -> RolloutEngine:
         """``rollout.engine=vllm_omni``: a rollout worker in vllm-omni's environment, connected at
@@ -446,7 +463,7 @@ class Trainer:
         self._step_start = self._resume_point()
         waited = time.perf_counter()
         with meter.phase("rollout_wait"), self.dist.collective(f"rollout, step {step}"):
-            sampled = pipe.wait(flight)
+            sampled = pipe.wait(flight, on_device=True)  # the next batch waited in host memory
             waited = time.perf_counter() - waited
             pipe.check_version(flight, sampled, step)
             batch = self.rollout.finish(sampled)
@@ -479,7 +496,8 @@ class Trainer:
         metrics["time/worker_idle"] = max(0.0, metrics["time/step"] - metrics["time/rollout_busy"])
         if staleness:  # the ratio against a stale policy: not an on-policy check
             metrics = {
-                (f"staleness/{k}" if k.startswith("logprob_diff/") else k): v for k, v in metrics.items()
+                (f"staleness/{k}" if k.startswith("logprob_diff/") or k == "clipfrac_first" else k): v
+                for k, v in metrics.items()
             }
         self._warn_logprob_diff(metrics, step)
         return StepResult(metrics=metrics, batch=batch)
@@ -528,19 +546,18 @@ class Trainer:
                 )
 
     def _warn_logprob_diff(self, metrics: dict[str, Any], step: int) -> None:
-        """Warn when training's recomputed log-probs drift from the engine's (another engine's kernels,
-        dtype or weights): the ratio is then not 1 on-policy and the clip acts on that drift."""
-        diffs = [float(v) for k, v in metrics.items() if k.startswith("logprob_diff/")]
-        worst = max(diffs, default=0.0, key=lambda d: math.inf if math.isnan(d) else d)
-        limit = self.config.rollout.logprob_diff_warn
-        if not worst <= limit:  # NaN too
+        """Warn when the first optimizer step was not on-policy as the loss sees it (`boogu_trainer.onpolicy`):
+        the recomputed log-probs drift from the engine's by more than a tenth of the clip range (another
+        engine's kernels, other row counts, dtype or weights), or the clip acted on some of its ratios.
+        The metrics are the maxima over the ranks (`Learner.finish`)."""
+        problem = on_policy_problem(self.config, metrics)
+        if problem is not None:
             logger.warning(
-                "step %d: the trainer's recomputed log-probs differ from the %s engine's by up to %.3g "
-                "(rollout.logprob_diff_warn=%g): check that both sample with the same weights, dtype and schedule",
+                "step %d: not on-policy at the first optimizer step (%s engine): %s; %s",
                 step,
                 self.config.rollout.engine,
-                worst,
-                limit,
+                problem,
+                ON_POLICY_FIX,
             )
 
     def publish_weights(self, version: int) -> None:

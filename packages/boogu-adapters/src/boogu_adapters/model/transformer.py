@@ -773,8 +773,8 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         """What the text path's output depends on besides the identity of the features object
         (`InstructionCache`): the features' in-place version counters, lengths, widths, dtype,
         compile state, and the state of its weights: each parameter object and its version counter
-        (an optimizer step or a weight load bumps it), each LoRA layer's switch, active adapters and
-        scales (``adapters_disabled``, ``scale_lora_layers``)."""
+        (an optimizer step or a weight load bumps it), each LoRA layer's switch, forward kind, active
+        adapters and scales (``adapters_disabled``, ``set_lora_forward``, ``scale_lora_layers``)."""
         tensors = [features] if isinstance(features, torch.Tensor) else list(features)
         weights = []
         for module in (self.time_caption_embed.caption_embedder, self.context_refiner):
@@ -782,7 +782,12 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             for layer in module.modules():
                 if hasattr(layer, "disable_adapters") and hasattr(layer, "scaling"):
                     weights.append(
-                        (layer.disable_adapters, tuple(layer.active_adapters), tuple(layer.scaling.items()))
+                        (
+                            type(layer),  # the LoRA forward (fused or peft's: lora.set_lora_forward)
+                            layer.disable_adapters,
+                            tuple(layer.active_adapters),
+                            tuple(layer.scaling.items()),
+                        )
                     )
         return (
             tuple(t._version for t in tensors),

@@ -37,6 +37,8 @@ RESUME_FREE_KEYS: tuple[str, ...] = (
     "preflight",
     "model.compile",
     "model.compile_bucket",
+    # Where the text encoder's weights wait between encodes: the same encoder computes the same features.
+    "model.text_encoder_offload",
     "rollout.micro_batch_size",
     "algorithm.train_micro_batch_size",
     # A warning threshold and a stop rule: they decide what is said and when the run stops, not a number.

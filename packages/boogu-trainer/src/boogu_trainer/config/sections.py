@@ -125,6 +125,8 @@ class ModelConfig:
     """Prompt token cap (upstream's default); longer prompts are an error, never silently cut."""
     edit_vlm_view: Literal["upstream", "processor"] = "upstream"
     """An edit reference's VLM copy: resized to 384² first as upstream does, or as is (the reference's)."""
+    text_encoder_offload: Literal["auto", "always", "never"] = "auto"
+    """The Qwen3-VL text encoder with rollout.engine=local: 'always' keeps it in host memory and moves it to the GPU for each encode only; 'never' keeps it on the GPU; 'auto' offloads on CUDA when the memory plan says the run does not fit the GPU with it resident. With rollout.engine=vllm_omni the worker encodes and the trainer loads no text encoder weights."""
 
     def __post_init__(self) -> None:
         _check(self.max_sequence_length >= 16, "model.max_sequence_length", self.max_sequence_length, ">= 16")
@@ -310,8 +312,8 @@ class RolloutConfig:
     """Run positive and negative prompts in one forward (batched) or two."""
     micro_batch_size: int = 0
     """Latents per transformer call, VAE decode and reward call (0: the whole batch); with batched CFG a call runs twice as many sample-forwards."""
-    logprob_diff_warn: float = 1e-3
-    """Warn when the training recomputation of a rollout log-prob differs from the engine's by more than this (max over the window; the local engine's is ~0)."""
+    logprob_diff_warn: float | None = None
+    """Warn (and the preflight fails) when the first update's recomputed log-prob differs from the engine's by more than this (max over the window and the ranks); null: algorithm.clip_range / 10 with flow_grpo (a larger difference is clipped as if it were a policy change; boogu_trainer.onpolicy), no limit for diffusion_nft and awm (their loss never reads the rollout's log-probs)."""
     pipeline: Literal["off", "one_step"] = "off"
     """'one_step': step k+1's rollout (and its rewards) runs in the worker while step k's update runs, with the weights the worker holds (one step stale); needs an engine with its own copy of the weights (engine=vllm_omni). 'off': rollout, update, sync in turn."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -324,7 +326,10 @@ class RolloutConfig:
             self.micro_batch_size,
             ">= 0 (0 = no split)",
         )
-        _check(self.logprob_diff_warn > 0, "rollout.logprob_diff_warn", self.logprob_diff_warn, "> 0")
+        if self.logprob_diff_warn is not None:
+            _check(
+                self.logprob_diff_warn > 0, "rollout.logprob_diff_warn", self.logprob_diff_warn, "> 0 or null"
+            )
         _check(
             self.pipeline == "off" or self.engine != "local",
             "rollout.pipeline",
