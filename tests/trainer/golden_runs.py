@@ -6,8 +6,11 @@ golden_runs.json` holds the hashes recorded before a refactor; `test_golden_runs
 and compares. A change that means to move a number re-records them (``python -m
 tests.trainer.golden_runs --record``) and says why in its commit.
 
-The hashes are bitwise, so they hold for one CPU kernel family and one torch build: the file records
-both (`machine`), and the test runs only where they match (CI's machine is this one's kind).
+The hashes are bitwise, so they hold for one CPU kernel family and one torch build: the file keeps one
+recording per `machine` (``recordings``), and the test compares with the one of the machine it runs
+on. Machines differ: the sandbox and CI have run on AVX2 and on AVX-512 CPUs. A recording for a new
+kind is added (``--record`` replaces only this machine's) from the same commit as the others, after
+checking that commit's numbers did not move on the machines already recorded.
 """
 
 from __future__ import annotations
@@ -142,11 +145,23 @@ def main(argv: list[str] | None = None) -> int:
             hashes[name] = run_case(name, tiny, Path(tmp) / name)
             print(name, json.dumps(hashes[name], indent=1))
     if args.record:
-        GOLDEN.write_text(
-            json.dumps({"machine": machine(), "cases": hashes}, indent=2, sort_keys=True) + "\n"
-        )
-        print(f"recorded {GOLDEN}")
+        others = [r for r in recordings() if r["machine"] != machine()]
+        mine = {"machine": machine(), "cases": hashes}
+        GOLDEN.write_text(json.dumps({"recordings": [*others, mine]}, indent=2, sort_keys=True) + "\n")
+        print(f"recorded {GOLDEN} for {machine()}")
     return 0
+
+
+def recordings() -> list[dict]:
+    """Every recording in `GOLDEN`: ``[{"machine": ..., "cases": {case: {file: sha256}}}]``."""
+    if not GOLDEN.is_file():
+        return []
+    return json.loads(GOLDEN.read_text())["recordings"]
+
+
+def recorded_here() -> dict | None:
+    """The recording of this machine (`machine`), or None."""
+    return next((r for r in recordings() if r["machine"] == machine()), None)
 
 
 if __name__ == "__main__":
