@@ -370,10 +370,9 @@ def write_json_atomic(path: str | None, figures: Mapping[str, Any]) -> None:
     rewrite their JSON after every case (``gpu_path.py``, ``gpu_scale.py``)."""
     if not path:
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(figures, f, indent=2)
-    os.replace(tmp, path)
+    from boogu_data.atomic import atomic_write_text
+
+    atomic_write_text(Path(path), json.dumps(figures, indent=2))
 
 
 def environment() -> dict[str, Any]:
