@@ -1,0 +1,250 @@
+"""The demo over many seeds: `uv run trainer seed=S` for each seed, and its held-out verdicts as a table.
+
+Each seed is the demo exactly as a user runs it (the `trainer` command without a recipe, so
+`scenes_demo_config()`, with ``seed=S`` and the given ``--set`` overrides), launched as its own
+process into ``--work``/seed_S with ``resume=auto`` (a killed sweep goes on where it stopped: a seed
+whose run has a checkpoint resumes bitwise, one without starts again). When a seed's run ends, its
+``heldout.json`` (the held-out comparison: base and trained on the same captions and seeds, the
+paired standard error), ``metrics.jsonl`` and ``config.yaml`` are copied to ``--results``/seed_S/,
+the files committed; a seed with those files is not run again, so the same command loads a finished
+sweep and prints its table.
+
+The table: per seed the base, the trained score, their paired difference and its standard error,
+and whether the difference is above twice it (the demo's own verdict); then the number of such
+seeds, the mean difference over seeds with a 95% t interval, and the training time. The README's
+demo section states these figures.
+
+    uv run python benchmarks/demo_seeds.py --seeds 300-309 [--jobs 2] [--threads 1]
+        [--set KEY=VALUE ...] [--results DIR] [--work DIR] [--json PATH]
+
+``--jobs`` runs that many seeds at once, each with ``--threads`` torch threads (``OMP_NUM_THREADS``;
+the figures of a seed depend on its thread count, which the table's files record). Runs' own
+folders (images, checkpoints) stay under ``--work`` (default ``runs/demo_seeds``, not committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import table, write_json_atomic  # noqa: E402
+from algorithms_scenes import mean_interval  # noqa: E402
+
+KEPT = ("heldout.json", "metrics.jsonl", "config.yaml")
+"""A finished seed's files copied into the results folder."""
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"300-309"`` or ``"0,3,7"`` (or both, comma-separated) -> the seeds, in order, once each."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        first, sep, last = part.partition("-")
+        try:
+            span = range(int(first), int(last) + 1) if sep else [int(part)]
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not a seed or a range like 300-309") from None
+        if sep and int(last) < int(first):
+            raise ValueError(f"--seeds: the range {part!r} is empty")
+        seeds += [s for s in span if s not in seeds]
+    return seeds
+
+
+def finished(results: Path, seed: int) -> dict[str, Any] | None:
+    """A seed's held-out verdict from the results folder, or None when it has not been run."""
+    folder = results / f"seed_{seed}"
+    if not all((folder / name).is_file() for name in KEPT):
+        return None
+    return json.loads((folder / "heldout.json").read_text())
+
+
+def command(seed: int, work: Path, overrides: Sequence[str]) -> list[str]:
+    """The `trainer` command line of one seed: the demo (no recipe), resumable into its own folder."""
+    trainer = Path(sys.executable).with_name("trainer")
+    return [
+        str(trainer),
+        f"seed={seed}",
+        f"logging.run_dir={work}",
+        f"logging.name=seed_{seed}",
+        "logging.progress=false",
+        "resume=auto",
+        *overrides,
+    ]
+
+
+def launch(seed: int, args: argparse.Namespace) -> subprocess.Popen:
+    run = args.work / f"seed_{seed}"
+    if run.exists() and not any((run / "checkpoints").glob("step_*")):
+        shutil.rmtree(run)  # killed before its first checkpoint: nothing to resume from
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = open(args.work / f"seed_{seed}.log", "a")  # noqa: SIM115 (closed with the process below)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    print(f"seed {seed}: started ({' '.join(command(seed, args.work, args.set))}; log {log.name})", flush=True)
+    process = subprocess.Popen(command(seed, args.work, args.set), stdout=log, stderr=subprocess.STDOUT, env=env)
+    process.log = log  # type: ignore[attr-defined]
+    process.started = time.perf_counter()  # type: ignore[attr-defined]
+    return process
+
+
+def collect(seed: int, args: argparse.Namespace, wall_s: float) -> None:
+    """Copy a finished run's files into the results folder (each file whole, the folder last), with
+    ``run.json``: the command, the thread count and the wall time of the process that finished it."""
+    run = args.work / f"seed_{seed}"
+    missing = [name for name in KEPT if not (run / name).is_file()]
+    if missing:
+        raise RuntimeError(f"seed {seed}: the run in {run} ended without {', '.join(missing)}; see {args.work}/seed_{seed}.log")
+    staging = args.results / f".seed_{seed}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in KEPT:
+        shutil.copyfile(run / name, staging / name)
+    record = {"command": command(seed, args.work, args.set)[1:], "threads": args.threads, "jobs": args.jobs, "wall_s": wall_s}
+    (staging / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    staging.replace(args.results / f"seed_{seed}")
+
+
+def run_missing(seeds: list[int], args: argparse.Namespace) -> None:
+    todo = [s for s in seeds if finished(args.results, s) is None]
+    running: dict[int, subprocess.Popen] = {}
+    failed: list[int] = []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            seed = todo.pop(0)
+            running[seed] = launch(seed, args)
+        time.sleep(2)
+        for seed, process in list(running.items()):
+            if process.poll() is None:
+                continue
+            process.log.close()  # type: ignore[attr-defined]
+            del running[seed]
+            if process.returncode != 0:
+                print(f"seed {seed}: trainer exited {process.returncode}; see {args.work}/seed_{seed}.log", flush=True)
+                failed.append(seed)
+                continue
+            collect(seed, args, time.perf_counter() - process.started)  # type: ignore[attr-defined]
+            verdict = finished(args.results, seed)
+            assert verdict is not None
+            print(f"seed {seed}: done, base {verdict['base']:.3f} -> trained {verdict['trained']:.3f}", flush=True)
+    if failed:
+        raise SystemExit(f"seeds {failed} failed; rerun the same command to retry them")
+
+
+def summarise(seeds: list[int], results: Path) -> dict[str, Any]:
+    rows = []
+    for seed in seeds:
+        verdict = finished(results, seed)
+        if verdict is None:
+            continue
+        metrics = [json.loads(line) for line in (results / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines() if line]
+        rows.append(
+            {
+                "seed": seed,
+                "prompts": verdict["prompts"],
+                "base": verdict["base"],
+                "trained": verdict["trained"],
+                "diff": verdict["diff"],
+                "se_diff": verdict["se_diff"],
+                "above_2se": verdict["diff"] > 2 * verdict["se_diff"],
+                "below_2se": verdict["diff"] < -2 * verdict["se_diff"],
+                "steps": len(metrics),
+                "cum_fe": metrics[-1].get("cum/fe") if metrics else None,
+                "train_time_s": metrics[-1].get("cum/time_s") if metrics else None,
+                "run": json.loads(run.read_text()) if (run := results / f"seed_{seed}" / "run.json").is_file() else None,
+            }
+        )
+    diffs = [r["diff"] for r in rows]
+    return {
+        "benchmark": "demo_seeds",
+        "seeds": [r["seed"] for r in rows],
+        "missing": [s for s in seeds if s not in {r["seed"] for r in rows}],
+        "rows": rows,
+        "above_2se": sum(r["above_2se"] for r in rows),
+        "below_2se": sum(r["below_2se"] for r in rows),
+        "mean_diff": statistics.fmean(diffs) if diffs else None,
+        "se_mean_diff": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None,
+        "mean_interval": mean_interval(diffs),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    rows = [
+        (
+            str(r["seed"]),
+            f"{r['base']:.3f}",
+            f"{r['trained']:.3f}",
+            f"{r['diff']:+.3f}",
+            f"{r['se_diff']:.3f}",
+            "yes" if r["above_2se"] else ("LOSS" if r["below_2se"] else "no"),
+            f"{r['train_time_s']:.0f}" if r["train_time_s"] is not None else "-",
+        )
+        for r in summary["rows"]
+    ]
+    print(table(rows, ("seed", "base", "trained", "difference", "se", "> 2 se", "training s")))
+    n = len(summary["rows"])
+    if n:
+        prompts = {r["prompts"] for r in summary["rows"]}
+        print(
+            f"{summary['above_2se']} of {n} seeds gain by more than twice their standard error, "
+            f"{summary['below_2se']} lose by more; mean difference over seeds {summary['mean_interval']} "
+            f"(95% t interval), held-out captions per seed {', '.join(map(str, sorted(prompts)))}"
+        )
+    if summary["missing"]:
+        print(f"not run yet: seeds {summary['missing']}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="300-309", help="seeds, e.g. 300-309 or 0,3,7 (default %(default)s)")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default %(default)s)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every seed (repeatable)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "demo_seeds",
+        help="where each finished seed's files go (default %(default)s)",
+    )
+    parser.add_argument("--work", type=Path, default=Path("runs") / "demo_seeds", help="the runs' own folders (default %(default)s)")
+    parser.add_argument("--no-run", action="store_true", help="only load the finished seeds and print their table")
+    parser.add_argument("--json", help="also write the table to this JSON file (default: RESULTS/summary.json)")
+    args = parser.parse_args(argv)
+    try:
+        args.seeds = parse_seeds(args.seeds)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.jobs < 1 or args.threads < 1:
+        parser.error("--jobs and --threads must be >= 1")
+    for item in args.set:
+        if "=" not in item:
+            parser.error(f"--set {item!r}: expected KEY=VALUE")
+    args.work = args.work.resolve()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.no_run:
+        run_missing(args.seeds, args)
+    summary = summarise(args.seeds, args.results)
+    summary["settings"] = {"overrides": args.set}
+    print_summary(summary)
+    if summary["rows"]:
+        write_json_atomic(str(args.json or args.results / "summary.json"), summary)
+
+
+if __name__ == "__main__":
+    main()
