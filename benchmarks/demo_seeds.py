@@ -1,7 +1,8 @@
 """The demo over many seeds: `uv run trainer seed=S` for each seed, and its held-out verdicts as a table.
 
 Each seed is the demo exactly as a user runs it (the `trainer` command without a recipe, so
-`scenes_demo_config()`, with ``seed=S`` and the given ``--set`` overrides), launched as its own
+`scenes_demo_config()`, with ``seed=S`` and the given ``--set`` overrides; or ``--recipe``, a
+candidate demo such as ``examples/tiny_scenes/scenes_nft_stable.yaml``), launched as its own
 process into ``--work``/seed_S with ``resume=auto`` (a killed sweep goes on where it stopped: a seed
 whose run has a checkpoint resumes bitwise, one without starts again). When a seed's run ends, its
 ``heldout.json`` (the held-out comparison: base and trained on the same captions and seeds, the
@@ -15,7 +16,7 @@ seeds, the mean difference over seeds with a 95% t interval, and the training ti
 demo section states these figures.
 
     uv run python benchmarks/demo_seeds.py --seeds 300-309 [--jobs 2] [--threads 1]
-        [--set KEY=VALUE ...] [--results DIR] [--work DIR] [--json PATH]
+        [--recipe examples/tiny_scenes/scenes_nft_stable.yaml] [--set KEY=VALUE ...] [--results DIR] [--work DIR] [--json PATH]
 
 ``--jobs`` runs that many seeds at once, each with ``--threads`` torch threads (``OMP_NUM_THREADS``;
 the figures of a seed depend on its thread count, which the table's files record). Runs' own
@@ -70,11 +71,13 @@ def finished(results: Path, seed: int) -> dict[str, Any] | None:
     return json.loads((folder / "heldout.json").read_text())
 
 
-def command(seed: int, work: Path, overrides: Sequence[str]) -> list[str]:
-    """The `trainer` command line of one seed: the demo (no recipe), resumable into its own folder."""
+def command(seed: int, work: Path, overrides: Sequence[str], recipe: str | None = None) -> list[str]:
+    """The `trainer` command line of one seed: the demo (no recipe) or ``recipe``, resumable into its
+    own folder."""
     trainer = Path(sys.executable).with_name("trainer")
     return [
         str(trainer),
+        *([recipe] if recipe else []),
         f"seed={seed}",
         f"logging.run_dir={work}",
         f"logging.name=seed_{seed}",
@@ -91,8 +94,8 @@ def launch(seed: int, args: argparse.Namespace) -> subprocess.Popen:
     args.work.mkdir(parents=True, exist_ok=True)
     log = open(args.work / f"seed_{seed}.log", "a")  # noqa: SIM115 (closed with the process below)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    print(f"seed {seed}: started ({' '.join(command(seed, args.work, args.set))}; log {log.name})", flush=True)
-    process = subprocess.Popen(command(seed, args.work, args.set), stdout=log, stderr=subprocess.STDOUT, env=env)
+    print(f"seed {seed}: started ({' '.join(command(seed, args.work, args.set, args.recipe))}; log {log.name})", flush=True)
+    process = subprocess.Popen(command(seed, args.work, args.set, args.recipe), stdout=log, stderr=subprocess.STDOUT, env=env)
     process.log = log  # type: ignore[attr-defined]
     process.started = time.perf_counter()  # type: ignore[attr-defined]
     return process
@@ -110,7 +113,7 @@ def collect(seed: int, args: argparse.Namespace, wall_s: float) -> None:
     staging.mkdir(parents=True)
     for name in KEPT:
         shutil.copyfile(run / name, staging / name)
-    record = {"command": command(seed, args.work, args.set)[1:], "threads": args.threads, "jobs": args.jobs, "wall_s": wall_s}
+    record = {"command": command(seed, args.work, args.set, args.recipe)[1:], "threads": args.threads, "jobs": args.jobs, "wall_s": wall_s}
     (staging / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     staging.replace(args.results / f"seed_{seed}")
 
@@ -206,6 +209,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--recipe", help="run this recipe instead of the demo (its held-out comparison must be on built-in scene captions)"
+    )
     parser.add_argument("--seeds", default="300-309", help="seeds, e.g. 300-309 or 0,3,7 (default %(default)s)")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default %(default)s)")
@@ -240,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.no_run:
         run_missing(args.seeds, args)
     summary = summarise(args.seeds, args.results)
-    summary["settings"] = {"overrides": args.set}
+    summary["settings"] = {"recipe": args.recipe, "overrides": args.set}
     print_summary(summary)
     if summary["rows"]:
         write_json_atomic(str(args.json or args.results / "summary.json"), summary)
