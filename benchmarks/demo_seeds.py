@@ -40,8 +40,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import table, write_json_atomic  # noqa: E402
-from algorithms_scenes import mean_interval  # noqa: E402
+from _common import table, write_json_atomic
+from algorithms_scenes import mean_interval
 
 KEPT = ("heldout.json", "metrics.jsonl", "config.yaml")
 """A finished seed's files copied into the results folder."""
@@ -63,11 +63,30 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def finished(results: Path, seed: int) -> dict[str, Any] | None:
-    """A seed's held-out verdict from the results folder, or None when it has not been run."""
+PER_SEED = ("seed=", "logging.run_dir=", "logging.name=", "logging.progress=", "resume=")
+"""The arguments `command` sets per seed and folder: not part of a sweep's settings."""
+
+
+def settings_of(argv: Sequence[str]) -> dict[str, Any]:
+    """The recipe and overrides of a `trainer` command line as `command` builds it (without the
+    program): what two seeds of one table must share."""
+    recipe = argv[0] if argv and "=" not in argv[0] else None
+    return {"recipe": recipe, "overrides": [a for a in argv if "=" in a and not a.startswith(PER_SEED)]}
+
+
+def finished(results: Path, seed: int, settings: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A seed's held-out verdict from the results folder, or None when it has not been run. With
+    ``settings``, a seed run with other settings is refused (a table holds one recipe)."""
     folder = results / f"seed_{seed}"
-    if not all((folder / name).is_file() for name in KEPT):
+    if not all((folder / name).is_file() for name in (*KEPT, "run.json")):
         return None
+    if settings is not None:
+        theirs = settings_of(json.loads((folder / "run.json").read_text())["command"])
+        if theirs != settings:
+            raise SystemExit(
+                f"{folder / 'run.json'} was written with other settings ({theirs}) than this command's "
+                f"({settings}): pass another --results, or the same --recipe and --set"
+            )
     return json.loads((folder / "heldout.json").read_text())
 
 
@@ -94,8 +113,13 @@ def launch(seed: int, args: argparse.Namespace) -> subprocess.Popen:
     args.work.mkdir(parents=True, exist_ok=True)
     log = open(args.work / f"seed_{seed}.log", "a")  # noqa: SIM115 (closed with the process below)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    print(f"seed {seed}: started ({' '.join(command(seed, args.work, args.set, args.recipe))}; log {log.name})", flush=True)
-    process = subprocess.Popen(command(seed, args.work, args.set, args.recipe), stdout=log, stderr=subprocess.STDOUT, env=env)
+    print(
+        f"seed {seed}: started ({' '.join(command(seed, args.work, args.set, args.recipe))}; log {log.name})",
+        flush=True,
+    )
+    process = subprocess.Popen(
+        command(seed, args.work, args.set, args.recipe), stdout=log, stderr=subprocess.STDOUT, env=env
+    )
     process.log = log  # type: ignore[attr-defined]
     process.started = time.perf_counter()  # type: ignore[attr-defined]
     return process
@@ -107,19 +131,30 @@ def collect(seed: int, args: argparse.Namespace, wall_s: float) -> None:
     run = args.work / f"seed_{seed}"
     missing = [name for name in KEPT if not (run / name).is_file()]
     if missing:
-        raise RuntimeError(f"seed {seed}: the run in {run} ended without {', '.join(missing)}; see {args.work}/seed_{seed}.log")
+        raise RuntimeError(
+            f"seed {seed}: the run in {run} ended without {', '.join(missing)}; see {args.work}/seed_{seed}.log"
+        )
     staging = args.results / f".seed_{seed}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name in KEPT:
         shutil.copyfile(run / name, staging / name)
-    record = {"command": command(seed, args.work, args.set, args.recipe)[1:], "threads": args.threads, "jobs": args.jobs, "wall_s": wall_s}
+    record = {
+        "command": command(seed, args.work, args.set, args.recipe)[1:],
+        "threads": args.threads,
+        "jobs": args.jobs,
+        "wall_s": wall_s,
+    }
     (staging / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     staging.replace(args.results / f"seed_{seed}")
 
 
+def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return settings_of(command(0, args.work, args.set, args.recipe)[1:])
+
+
 def run_missing(seeds: list[int], args: argparse.Namespace) -> None:
-    todo = [s for s in seeds if finished(args.results, s) is None]
+    todo = [s for s in seeds if finished(args.results, s, sweep_settings(args)) is None]
     running: dict[int, subprocess.Popen] = {}
     failed: list[int] = []
     while todo or running:
@@ -133,24 +168,34 @@ def run_missing(seeds: list[int], args: argparse.Namespace) -> None:
             process.log.close()  # type: ignore[attr-defined]
             del running[seed]
             if process.returncode != 0:
-                print(f"seed {seed}: trainer exited {process.returncode}; see {args.work}/seed_{seed}.log", flush=True)
+                print(
+                    f"seed {seed}: trainer exited {process.returncode}; see {args.work}/seed_{seed}.log",
+                    flush=True,
+                )
                 failed.append(seed)
                 continue
             collect(seed, args, time.perf_counter() - process.started)  # type: ignore[attr-defined]
             verdict = finished(args.results, seed)
             assert verdict is not None
-            print(f"seed {seed}: done, base {verdict['base']:.3f} -> trained {verdict['trained']:.3f}", flush=True)
+            print(
+                f"seed {seed}: done, base {verdict['base']:.3f} -> trained {verdict['trained']:.3f}",
+                flush=True,
+            )
     if failed:
         raise SystemExit(f"seeds {failed} failed; rerun the same command to retry them")
 
 
-def summarise(seeds: list[int], results: Path) -> dict[str, Any]:
+def summarise(seeds: list[int], results: Path, settings: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for seed in seeds:
-        verdict = finished(results, seed)
+        verdict = finished(results, seed, settings)
         if verdict is None:
             continue
-        metrics = [json.loads(line) for line in (results / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines() if line]
+        metrics = [
+            json.loads(line)
+            for line in (results / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines()
+            if line
+        ]
         rows.append(
             {
                 "seed": seed,
@@ -164,7 +209,9 @@ def summarise(seeds: list[int], results: Path) -> dict[str, Any]:
                 "steps": len(metrics),
                 "cum_fe": metrics[-1].get("cum/fe") if metrics else None,
                 "train_time_s": metrics[-1].get("cum/time_s") if metrics else None,
-                "run": json.loads(run.read_text()) if (run := results / f"seed_{seed}" / "run.json").is_file() else None,
+                "run": json.loads(run.read_text())
+                if (run := results / f"seed_{seed}" / "run.json").is_file()
+                else None,
             }
         )
     diffs = [r["diff"] for r in rows]
@@ -210,13 +257,20 @@ def print_summary(summary: dict[str, Any]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--recipe", help="run this recipe instead of the demo (its held-out comparison must be on built-in scene captions)"
+        "--recipe",
+        help="run this recipe instead of the demo (its held-out comparison must be on built-in scene captions)",
     )
-    parser.add_argument("--seeds", default="300-309", help="seeds, e.g. 300-309 or 0,3,7 (default %(default)s)")
+    parser.add_argument(
+        "--seeds", default="300-309", help="seeds, e.g. 300-309 or 0,3,7 (default %(default)s)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default %(default)s)")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every seed (repeatable)"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every seed (repeatable)",
     )
     parser.add_argument(
         "--results",
@@ -224,9 +278,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=Path(__file__).resolve().parent / "results" / "demo_seeds",
         help="where each finished seed's files go (default %(default)s)",
     )
-    parser.add_argument("--work", type=Path, default=Path("runs") / "demo_seeds", help="the runs' own folders (default %(default)s)")
-    parser.add_argument("--no-run", action="store_true", help="only load the finished seeds and print their table")
-    parser.add_argument("--json", help="also write the table to this JSON file (default: RESULTS/summary.json)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("runs") / "demo_seeds",
+        help="the runs' own folders (default %(default)s)",
+    )
+    parser.add_argument(
+        "--no-run", action="store_true", help="only load the finished seeds and print their table"
+    )
+    parser.add_argument(
+        "--json", help="also write the table to this JSON file (default: RESULTS/summary.json)"
+    )
     args = parser.parse_args(argv)
     try:
         args.seeds = parse_seeds(args.seeds)
@@ -245,8 +308,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.no_run:
         run_missing(args.seeds, args)
-    summary = summarise(args.seeds, args.results)
-    summary["settings"] = {"recipe": args.recipe, "overrides": args.set}
+    summary = summarise(args.seeds, args.results, sweep_settings(args))
+    summary["settings"] = sweep_settings(args)
     print_summary(summary)
     if summary["rows"]:
         write_json_atomic(str(args.json or args.results / "summary.json"), summary)

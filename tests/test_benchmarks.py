@@ -610,3 +610,43 @@ def test_demo_throughput_alternates_the_sides(monkeypatch):
     order = runpy.run_path(str(BENCHMARKS / "demo_throughput.py"), run_name="demo_throughput")["order"]
     assert order(1) == ["before", "after"]
     assert order(3) == ["before", "after", "after", "before", "before", "after"]
+
+
+@pytest.mark.slow
+def test_demo_seeds_runs_each_seed_once_and_loads_a_finished_sweep(
+    tmp_path, monkeypatch, capsys, tiny_checkpoint
+):
+    # the demo's command per seed (here on the random model, 2 steps), its held-out verdict kept
+    results, work = tmp_path / "results", tmp_path / "work"
+    overrides = [
+        f"model.path={tiny_checkpoint}",
+        "total_steps=2",
+        "data.prompts_per_step=2",
+        "algorithm.group_size=2",
+        "sampler.num_steps=2",
+        "eval.every=2",
+        "eval.num_prompts=4",
+        "eval.num_steps=2",
+        "checkpoint.save_every=1",
+    ]
+    common = ["--seeds", "3", "--threads", "1", "--results", str(results), "--work", str(work)]
+    common += [f"--set={o}" for o in overrides]
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    run_script("demo_seeds.py", common, monkeypatch)
+    assert "seed 3: done" in capsys.readouterr().out
+    kept = results / "seed_3"
+    assert {p.name for p in kept.iterdir()} == {"heldout.json", "metrics.jsonl", "config.yaml", "run.json"}
+    verdict = json.loads((kept / "heldout.json").read_text())
+    assert verdict["prompts"] == 4 and "seed: 3" in (kept / "config.yaml").read_text()
+    assert len((kept / "metrics.jsonl").read_text().splitlines()) == 2
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["seeds"] == [3] and summary["rows"][0]["diff"] == pytest.approx(verdict["diff"])
+    assert summary["settings"] == {"recipe": None, "overrides": overrides}
+    # the same command runs nothing and prints the same table; other settings are refused by file
+    (work / "seed_3").rename(work / "gone")
+    run_script("demo_seeds.py", common, monkeypatch)
+    out = capsys.readouterr().out
+    assert "started" not in out and f"{verdict['diff']:+.3f}" in out
+    assert not (work / "seed_3").exists()
+    with pytest.raises(SystemExit, match=r"seed_3/run\.json was written with other settings"):
+        run_script("demo_seeds.py", [*common, "--set=optim.lr=5e-4"], monkeypatch)
