@@ -16,6 +16,7 @@ from boogu_trainer.metrics import reward_verdict, summarize_rewards
 from boogu_trainer.trainer import Trainer
 from tests.trainer.test_data import LONG_PROMPT
 from tests.trainer.test_loop import small_config
+from tests.trainer.test_sample import safetensors_disk_full
 
 
 def args(tiny_checkpoint, run_dir, *extra: str) -> list[str]:
@@ -114,6 +115,33 @@ def test_a_disk_that_fills_up_during_the_run_is_a_named_error(tiny_checkpoint, t
     metrics = tmp_path / "mine" / "metrics.jsonl"
     assert f"trainer: error: cannot write {metrics}: No space left on device" in err
     assert "committed checkpoints are intact" in err and "resume=auto" in err
+
+
+@pytest.mark.parametrize("refused", ["full", "read_only"])
+def test_a_checkpoint_write_the_disk_refuses_is_a_named_error(
+    refused, tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    # the real loop to its first checkpoint; the disk refuses it as safetensors or the system says so
+    if refused == "full":
+        monkeypatch.setattr("boogu_trainer.checkpoint.save_file", safetensors_disk_full)
+        said = f"cannot write {tmp_path / 'mine' / 'checkpoints'}/.step_000001."
+        why = "No space left on device"
+    else:
+
+        def read_only(target):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(target))
+
+        monkeypatch.setattr("boogu_trainer.checkpoint.stage_folder", read_only)
+        said, why = (
+            f"cannot write {tmp_path / 'mine' / 'checkpoints' / 'step_000001'}",
+            "Read-only file system",
+        )
+    code = main(args(tiny_checkpoint, tmp_path, OCR_PROMPTS, "total_steps=1", "checkpoint.save_every=1"))
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert f"trainer: error: {said}" in err and why in err and "Traceback" not in err
+    assert "committed checkpoints are intact" in err and "resume=auto" in err
+    assert sorted(p.name for p in (tmp_path / "mine" / "checkpoints").iterdir()) == []  # no staging left
 
 
 RECIPE = Path(__file__).parents[2] / "examples/flowgrpo_trainer/boogu_image/boogu_image_ocr_lora.yaml"

@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import boogu_data.atomic as atomic
@@ -480,6 +481,12 @@ def test_a_run_whose_reward_cannot_be_imported_is_still_sampled(checkpoint, tmp_
     assert (tmp_path / "m" / "merged_lora.json").is_file()
 
 
+def safetensors_disk_full(tensors, path, metadata=None):
+    """What `safetensors.torch.save_file` raises on a full disk (its message, as a real write to a
+    file size limit gives it: "... I/O error: File too large (os error 27)")."""
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
 def _disk_error(code: int):
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code), str(args[-1] if args else "?"))
@@ -511,7 +518,8 @@ def test_a_disk_that_fills_up_while_writing_leaves_nothing(checkpoint, tmp_path,
     err = capsys.readouterr().err
     assert f"--output {out}: cannot be written: No space left on device (" in err
     assert "nothing was written there" in err
-    monkeypatch.setattr("safetensors.torch.save_file", _disk_error(errno.ENOSPC))
+    # safetensors reports a refused write as its own SafetensorError, not an OSError
+    monkeypatch.setattr("boogu_trainer.checkpoint.save_file", safetensors_disk_full)
     assert sample_cli.main(["--checkpoint", str(checkpoint), "--merge-to", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert f"--merge-to {tmp_path / 'm'}: cannot be written: No space left on device" in err

@@ -331,25 +331,42 @@ def diffusers_lora_state(
     return out
 
 
+def save_tensors(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """`safetensors.torch.save_file`, with a write the system refused (disk full, read-only storage)
+    raised as the `OSError` it is, naming the file: safetensors reports it as its own `SafetensorError`
+    ("... No space left on device (os error 28)"), which callers that name failed writes (the CLI,
+    ``boogu-sample --merge-to``) would not catch. Other safetensors errors pass through unchanged."""
+    try:
+        save_file(dict(tensors), path, metadata=metadata)
+    except SafetensorError as error:
+        code = re.search(r"os error (\d+)", str(error))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from error
+
+
 def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> None:
     """Write every file of a checkpoint into ``folder`` (a staging folder), manifest and marker last."""
-    save_file(to_peft_keys(contents.lora), folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    save_file(
+    save_tensors(to_peft_keys(contents.lora), folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_tensors(
         diffusers_lora_state(contents.lora, contents.lora_config),
         folder / DIFFUSERS_LORA_NAME,
         metadata={"format": "pt"},
     )
     (folder / "adapter_config.json").write_text(json.dumps(contents.lora_config, indent=2, sort_keys=True))
     if contents.ema is not None:
-        save_file(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})
+        save_tensors(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})
     if contents.old is not None:
-        save_file(to_peft_keys(contents.old), folder / "old_policy.safetensors", metadata={"format": "pt"})
+        save_tensors(to_peft_keys(contents.old), folder / "old_policy.safetensors", metadata={"format": "pt"})
     if contents.rollout is not None:
-        save_file(to_peft_keys(contents.rollout), folder / ROLLOUT_POLICY, metadata={"format": "pt"})
-    save_file(contents.optimizer_tensors, folder / "optimizer.safetensors")
+        save_tensors(to_peft_keys(contents.rollout), folder / ROLLOUT_POLICY, metadata={"format": "pt"})
+    save_tensors(contents.optimizer_tensors, folder / "optimizer.safetensors")
     (folder / "optimizer.json").write_text(json.dumps(contents.optimizer_meta, indent=2))
     rng = contents.rng or rng_state()
-    save_file({k: v.contiguous() for k, v in rng.items()}, folder / "rng.safetensors")
+    save_tensors({k: v.contiguous() for k, v in rng.items()}, folder / "rng.safetensors")
     (folder / "trainer_state.json").write_text(json.dumps(contents.trainer_state, indent=2, sort_keys=True))
     (folder / "config.yaml").write_text(contents.config_yaml)
     manifest = {

@@ -508,10 +508,11 @@ def merge_to(
     `check_target` allows.
     """
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from boogu_adapters.lora import lora_pair_keys
     from boogu_data.atomic import commit_folder, folder_manifest, stage_folder
+    from boogu_trainer.checkpoint import save_tensors
     from boogu_trainer.models import base_model_path
 
     config = run_config(folder, "cpu")
@@ -550,7 +551,7 @@ def merge_to(
                     a, b = trained.tensors[key_a].float(), trained.tensors[key_b].float()
                     # (out, in) float32: peft's merge, W + scale * B @ A, then the stored dtype.
                     tensors[key] = (w.float() + trained.scale * (b @ a)).to(w.dtype).contiguous()
-            save_file(tensors, staging / "transformer" / shard.name, metadata={"format": "pt"})
+            save_tensors(tensors, staging / "transformer" / shard.name, metadata={"format": "pt"})
         (staging / MERGE_MARKER).write_text(
             json.dumps(
                 {
