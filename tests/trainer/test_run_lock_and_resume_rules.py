@@ -203,6 +203,13 @@ def test_resume_refuses_real_differences_naming_key_values_and_the_opt_in(tmp_pa
     for change, expected in refused.items():
         assert changes(old, [*old, change]) == [expected], change
         assert changes(old, [*old, change], allowed=[expected[0]]) == [], change
+    # A key removed from a free-form mapping is a change too (the worker no longer gets it), unless
+    # the mapping is unused by both runs (the local engine).
+    eager = "rollout.vllm.engine_args={enforce_eager: true, seed: 3}"
+    assert changes([*old, eager], [*old, "rollout.vllm.engine_args={seed: 3}"]) == [
+        ("rollout.vllm.engine_args.enforce_eager", True, "(not set)")
+    ]
+    assert changes([*old[:2], eager], old[:2]) == []
     # A CPU run on CUDA: model.dtype=auto then means another dtype too, and says which.
     assert changes(old[:2], [*old[:2], "model.device=cuda"]) == [
         ("model.dtype", "auto (as float32)", "auto (as bfloat16)"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -110,7 +111,9 @@ def config_changes(
     Both are `config_to_dict` outputs (``old`` read back from a checkpoint's config.yaml). A key
     that ``old`` lacks because this version added it compares as its default (so it is unchanged
     when ``new`` keeps the default); a key only ``old`` has (removed since) is not reported, since
-    this version cannot honour it either way. Lists, ``reward.rewards`` included, compare whole.
+    this version cannot honour it either way, except inside a free-form mapping
+    (``rollout.vllm.engine_args``), where it is the user's and reported as ``"(not set)"``. Lists,
+    ``reward.rewards`` included, compare whole.
     """
     skip = (*RESUME_FREE_KEYS, *allowed)
     return [change for change in _differences(old, new) if not _under(change[0], skip)]
@@ -130,9 +133,13 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[s
     before = leaves(_with_defaults(old, TrainerConfig))
     after = leaves(_with_defaults(new, TrainerConfig))
     out = []
-    for key, value in after.items():
+
+    def unused(key: str) -> bool:
         used = [uses for prefix, uses in RESUME_CONDITIONAL_KEYS.items() if _under(key, (prefix,))]
-        if used and not any(uses(before) or uses(after) for uses in used):
+        return bool(used) and not any(uses(before) or uses(after) for uses in used)
+
+    for key, value in after.items():
+        if unused(key):
             continue
         a, b = _resolved(key, before.get(key), before), _resolved(key, value, after)
         if a != b:
@@ -140,7 +147,24 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[s
                 out.append((key, f"{value} (as {a})", f"{value} (as {b})"))
             else:
                 out.append((key, before.get(key), value))
+    # A key of a free-form mapping (``rollout.vllm.engine_args``) that only the old run set: the user
+    # removed it, so the run no longer gets it (a key this version removed from the schema is not here).
+    for key in sorted(before.keys() - after.keys()):
+        if _in_free_form_mapping(key) and not unused(key):
+            out.append((key, before[key], "(not set)"))
     return out
+
+
+def _in_free_form_mapping(key: str, cls: type = TrainerConfig) -> bool:
+    """Whether dotted ``key`` lies inside a ``dict``-typed field of the config's schema."""
+    head, _, rest = key.partition(".")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if head not in fields or not rest:
+        return False
+    tp = field_hints(cls)[head]
+    if dataclasses.is_dataclass(tp):
+        return _in_free_form_mapping(rest, tp)  # type: ignore[arg-type]
+    return typing.get_origin(tp) is dict or tp is dict
 
 
 def _resolved(key: str, value: Any, config: Mapping[str, Any]) -> Any:
