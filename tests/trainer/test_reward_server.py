@@ -314,8 +314,10 @@ def fake() -> Iterator[tuple[_Script, str]]:
             script.requests.append(body)
             if script.hang_s and script.release.wait(script.hang_s):
                 return
-            status, payload = script.answers[min(len(script.requests), len(script.answers)) - 1]
+            status, payload, *headers = script.answers[min(len(script.requests), len(script.answers)) - 1]
             self.send_response(status)
+            for name, value in (headers[0] if headers else {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -352,6 +354,31 @@ def test_transient_statuses_are_retried(fake) -> None:
     scores = _client(url)(_images(2), _records(2))
     assert scores[0].item() == 0.5 and math.isnan(scores[1].item())
     assert len(script.requests) == 3
+
+
+def test_a_retry_waits_at_least_the_servers_retry_after_within_backoff_max(fake) -> None:
+    script, url = fake
+    script.answers = [(503, b"overloaded", {"Retry-After": "1"}), (200, b'{"version": 1, "scores": [0.5]}')]
+    start = time.monotonic()
+    assert _client(url, backoff_s=0.0, backoff_max_s=5.0)(_images(1), _records(1)).tolist() == [0.5]
+    assert 1.0 <= time.monotonic() - start < 4.0 and len(script.requests) == 2
+    script.requests.clear()
+    start = time.monotonic()  # backoff_max_s bounds what a server may ask for
+    assert _client(url, backoff_s=0.0, backoff_max_s=0.2)(_images(1), _records(1)).tolist() == [0.5]
+    assert time.monotonic() - start < 0.9 and len(script.requests) == 2
+
+
+def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
+    from boogu_trainer.rewards.transport import TransientError, retry_after_seconds, retry_delay
+
+    assert retry_after_seconds("3") == 3.0 and retry_after_seconds(None) is None
+    assert retry_after_seconds("soon") is None and retry_after_seconds("-1") is None
+    now = 1_700_000_000.0  # Tue, 14 Nov 2023 22:13:20 GMT
+    assert retry_after_seconds("Tue, 14 Nov 2023 22:13:30 GMT", now=now) == pytest.approx(10.0)
+    assert retry_after_seconds("Tue, 14 Nov 2023 22:13:00 GMT", now=now) == 0.0  # past: at once
+    assert retry_delay(3, 0.5, 10.0, None) == 2.0
+    assert retry_delay(1, 0.5, 10.0, TransientError("503", retry_after_s=4.0)) == 4.0
+    assert retry_delay(1, 0.5, 3.0, TransientError("503", retry_after_s=4.0)) == 3.0
 
 
 @pytest.mark.parametrize(

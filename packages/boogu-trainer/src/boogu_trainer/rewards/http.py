@@ -43,6 +43,7 @@ from boogu_trainer.rewards.transport import (
     is_int,
     is_number,
     resolve_endpoint,
+    retry_delay,
     send_once,
     service_url,
 )
@@ -266,7 +267,8 @@ class HttpReward:
     go in one request, one request at a time. ``timeout_s`` is the deadline of one attempt:
     connecting, sending the request and reading the whole answer must end within it. ``retries``
     more attempts follow a transient failure, attempt k > 0 waiting
-    ``min(backoff_s * 2**(k-1), backoff_max_s)`` first. ``api_key_env`` names an environment
+    ``min(max(backoff_s * 2**(k-1), Retry-After), backoff_max_s)`` first (the server's
+    ``Retry-After``, when its 429/503 gave one). ``api_key_env`` names an environment
     variable holding a bearer token. Proxies from the environment (http:// proxies only) are
     ignored unless ``use_proxy_env``. ``send_ref_images=False`` leaves the records' reference
     images out of the requests. ``on_error="nan"`` scores the images of a request that still fails
@@ -380,7 +382,7 @@ class HttpReward:
         last_error: TransientError | None = None
         for attempt in range(attempts):
             if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
+                time.sleep(retry_delay(attempt, self.backoff_s, self.backoff_max_s, last_error))
             try:
                 raw = self._attempt(method, path, body, what, limit)
             except TransientError as error:

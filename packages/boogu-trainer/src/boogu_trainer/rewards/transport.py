@@ -4,7 +4,8 @@ Every attempt has one overall deadline: connecting, sending the request and read
 answer must end within it (a per-read socket timeout alone would let a server that trickles one
 byte a second keep a request alive for ever). `send_once` makes one attempt and sorts its outcome:
 a 2xx body, a refusal worth no retry (a description), or `TransientError` (timeouts, connection
-errors, HTTP 408/425/429/5xx), which the rewards retry with backoff. An answer longer than the
+errors, HTTP 408/425/429/5xx), which the rewards retry with backoff (`retry_delay`: at least the
+server's ``Retry-After``). An answer longer than the
 caller's limit is `AnswerTooLarge`, found while reading (not after), and not retried.
 
 `service_url` is the one rule for the rewards' URL options, applied when a config loads (through
@@ -14,6 +15,8 @@ the registry's ``check``) and again when the reward is built.
 from __future__ import annotations
 
 import base64
+import datetime
+import email.utils
 import http.client
 import io
 import math
@@ -35,6 +38,8 @@ __all__ = [
     "is_int",
     "is_number",
     "resolve_endpoint",
+    "retry_after_seconds",
+    "retry_delay",
     "send_once",
     "service_url",
 ]
@@ -44,7 +49,39 @@ RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 class TransientError(Exception):
-    """One attempt failed in a way a later attempt may not (message only; the HTTP rewards retry it)."""
+    """One attempt failed in a way a later attempt may not (the HTTP rewards retry it).
+
+    ``retry_after_s`` is the wait the server asked for (its ``Retry-After``), or None."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """A ``Retry-After`` header's wait in seconds: delta-seconds or an HTTP-date (RFC 9110 10.2.3),
+    at least 0; None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP-date is GMT
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def retry_delay(attempt: int, backoff_s: float, backoff_max_s: float, error: TransientError | None) -> float:
+    """The wait before retry ``attempt`` (1 for the first): ``backoff_s * 2**(attempt-1)``, at least
+    the server's ``Retry-After`` when the failed attempt had one, at most ``backoff_max_s``."""
+    wait = backoff_s * 2 ** (attempt - 1)
+    if error is not None and error.retry_after_s is not None:
+        wait = max(wait, error.retry_after_s)
+    return min(wait, backoff_max_s)
 
 
 class AnswerTooLarge(Exception):
@@ -112,7 +149,7 @@ def send_once(
         return raw
     message = f"HTTP {response.status} {response.reason}: {describe(raw)}"
     if response.status in RETRYABLE_STATUS:
-        raise TransientError(message)
+        raise TransientError(message, retry_after_seconds(response.getheader("Retry-After")))
     if 300 <= response.status < 400:
         message += f" (redirects are not followed; Location: {response.getheader('Location')})"
     return message

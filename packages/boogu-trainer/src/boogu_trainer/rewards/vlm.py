@@ -41,6 +41,7 @@ from boogu_trainer.rewards.transport import (
     is_int,
     is_number,
     resolve_endpoint,
+    retry_delay,
     send_once,
     service_url,
 )
@@ -90,7 +91,8 @@ class VlmOcrReward(TranscriptionReward):
     the deadline of one attempt: connecting, sending the request and reading the whole answer
     must end within it, or the attempt fails as transient (over https the few reads of the TLS
     handshake each wait at most ``timeout_s`` too); attempt k > 0 waits
-    ``min(backoff_s * 2**(k-1), backoff_max_s)`` first; ``api_key_env`` names an environment
+    ``min(max(backoff_s * 2**(k-1), Retry-After), backoff_max_s)`` first (the server's
+    ``Retry-After``, when its 429/503 gave one); ``api_key_env`` names an environment
     variable holding a bearer token; proxies from the environment (``http_proxy``,
     ``https_proxy``, ``no_proxy``; http:// proxies only) are ignored unless ``use_proxy_env``
     (endpoints are usually in-cluster, where an inherited ``http_proxy`` only reroutes them);
@@ -202,7 +204,7 @@ class VlmOcrReward(TranscriptionReward):
         last_error: TransientError | None = None
         for attempt in range(attempts):
             if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s))
+                time.sleep(retry_delay(attempt, self.backoff_s, self.backoff_max_s, last_error))
             try:
                 return self._post_once(body, index)
             except TransientError as error:
