@@ -13,10 +13,13 @@ sweep and prints its table.
 The table: per seed the base, the trained score, their paired difference and its standard error,
 and whether the difference is above twice it (the demo's own verdict); then the number of such
 seeds, the mean difference over seeds with a 95% t interval, and the training time. The README's
-demo section states these figures.
+demo section states these figures. ``--against DIR`` (another recipe's sweep on the same seeds)
+adds the paired advantage: per seed this sweep's trained score minus the other's, its mean and
+standard error over seeds.
 
     uv run python benchmarks/demo_seeds.py --seeds 300-309 [--jobs 2] [--threads 1]
-        [--recipe examples/tiny_scenes/scenes_nft_stable.yaml] [--set KEY=VALUE ...] [--results DIR] [--work DIR] [--json PATH]
+        [--recipe examples/tiny_scenes/scenes_nft_stable.yaml] [--set KEY=VALUE ...]
+        [--against DIR] [--results DIR] [--work DIR] [--no-run] [--json PATH]
 
 ``--jobs`` runs that many seeds at once, each with ``--threads`` torch threads (``OMP_NUM_THREADS``;
 the figures of a seed depend on its thread count, which the table's files record). Runs' own
@@ -254,6 +257,43 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"not run yet: seeds {summary['missing']}")
 
 
+def compare(summary: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Seed by seed, this sweep's trained score minus ``other``'s (another recipe's sweep on the same
+    seeds: the same held-out captions, evaluation seeds and base, so the difference pairs the two
+    trained models on the same images), with its mean over seeds, the standard error over seeds and
+    a 95% t interval. A seed whose two bases differ was evaluated differently: refused."""
+    theirs = {r["seed"]: r for r in other["rows"]}
+    pairs = []
+    for row in summary["rows"]:
+        them = theirs.get(row["seed"])
+        if them is None:
+            continue
+        if them["base"] != row["base"] or them["prompts"] != row["prompts"]:
+            raise SystemExit(
+                f"seed {row['seed']}: the two sweeps' bases differ ({row['base']} on {row['prompts']} captions vs "
+                f"{them['base']} on {them['prompts']}): not the same evaluation, so not a paired comparison"
+            )
+        pairs.append({"seed": row["seed"], "advantage": row["trained"] - them["trained"]})
+    values = [p["advantage"] for p in pairs]
+    return {
+        "pairs": pairs,
+        "mean": statistics.fmean(values) if values else None,
+        "se": statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None,
+        "mean_interval": mean_interval(values),
+    }
+
+
+def print_comparison(comparison: dict[str, Any], against: Path) -> None:
+    pairs = comparison["pairs"]
+    print(f"against {against} (trained minus its trained score, same seed):")
+    print(table([(str(p["seed"]), f"{p['advantage']:+.3f}") for p in pairs], ("seed", "advantage")))
+    if comparison["se"] is not None:
+        print(
+            f"mean advantage {comparison['mean_interval']} (95% t interval), se over {len(pairs)} seeds "
+            f"{comparison['se']:.3f}: {comparison['mean'] / comparison['se']:+.1f} se"
+        )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -285,6 +325,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the runs' own folders (default %(default)s)",
     )
     parser.add_argument(
+        "--against",
+        type=Path,
+        help="another sweep's results folder (the same seeds, another recipe): print the paired advantage",
+    )
+    parser.add_argument(
         "--no-run", action="store_true", help="only load the finished seeds and print their table"
     )
     parser.add_argument(
@@ -311,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarise(args.seeds, args.results, sweep_settings(args))
     summary["settings"] = sweep_settings(args)
     print_summary(summary)
+    if args.against is not None:
+        other = json.loads((args.against / "summary.json").read_text())
+        summary["against"] = {"results": str(args.against), **compare(summary, other)}
+        print_comparison(summary["against"], args.against)
     if summary["rows"]:
         write_json_atomic(str(args.json or args.results / "summary.json"), summary)
 

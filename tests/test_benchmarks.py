@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import runpy
 import shlex
 import shutil
@@ -650,3 +651,18 @@ def test_demo_seeds_runs_each_seed_once_and_loads_a_finished_sweep(
     assert not (work / "seed_3").exists()
     with pytest.raises(SystemExit, match=r"seed_3/run\.json was written with other settings"):
         run_script("demo_seeds.py", [*common, "--set=optim.lr=5e-4"], monkeypatch)
+    # another sweep on the same seed: the trained scores paired; another evaluation refused
+    other = tmp_path / "other"
+    shutil.copytree(results, other)
+    summary["rows"][0]["trained"] -= 0.25
+    (other / "summary.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    run_script("demo_seeds.py", [*common, "--no-run", "--against", str(other)], monkeypatch)
+    assert re.search(r"^3\s+\+0\.250$", capsys.readouterr().out, re.MULTILINE)
+    assert json.loads((results / "summary.json").read_text())["against"]["pairs"] == [
+        {"seed": 3, "advantage": pytest.approx(0.25)}
+    ]
+    summary["rows"][0]["base"] += 0.5
+    (other / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="seed 3: the two sweeps' bases differ"):
+        run_script("demo_seeds.py", [*common, "--no-run", "--against", str(other)], monkeypatch)
