@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table, write_json_atomic
 from algorithms_scenes import mean_interval
 
+from boogu_trainer.demo import paired_summary
+
 KEPT = ("heldout.json", "metrics.jsonl", "config.yaml")
 """A finished seed's files copied into the results folder."""
 
@@ -67,14 +69,31 @@ def parse_seeds(text: str) -> list[int]:
 
 
 PER_SEED = ("seed=", "logging.run_dir=", "logging.name=", "logging.progress=", "resume=")
-"""The arguments `command` sets per seed and folder: not part of a sweep's settings."""
+"""The arguments `command` sets per seed and folder: not part of a sweep's settings (and refused in
+``--set``)."""
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def settings_of(argv: Sequence[str]) -> dict[str, Any]:
-    """The recipe and overrides of a `trainer` command line as `command` builds it (without the
-    program): what two seeds of one table must share."""
+def recipe_key(recipe: str | None) -> str | None:
+    """How a recipe is named in a sweep's settings: its path relative to the repository when inside
+    it (so ``./examples/x.yaml`` and its absolute path are the same recipe), else absolute."""
+    if recipe is None:
+        return None
+    path = Path(recipe).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def settings_of(argv: Sequence[str], threads: int) -> dict[str, Any]:
+    """The recipe, the overrides and the thread count of a `trainer` command line as `command` builds
+    it (without the program): what every seed of one table shares (a seed's figures depend on each)."""
     recipe = argv[0] if argv and "=" not in argv[0] else None
-    return {"recipe": recipe, "overrides": [a for a in argv if "=" in a and not a.startswith(PER_SEED)]}
+    overrides = [a for a in argv if "=" in a and not a.startswith(PER_SEED)]
+    return {"recipe": recipe_key(recipe), "overrides": overrides, "threads": threads}
+
+
+def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return settings_of(command(0, args.work, args.set, args.recipe)[1:], args.threads)
 
 
 def finished(results: Path, seed: int, settings: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -84,11 +103,12 @@ def finished(results: Path, seed: int, settings: dict[str, Any] | None = None) -
     if not all((folder / name).is_file() for name in (*KEPT, "run.json")):
         return None
     if settings is not None:
-        theirs = settings_of(json.loads((folder / "run.json").read_text())["command"])
+        record = json.loads((folder / "run.json").read_text())
+        theirs = settings_of(record["command"], record["threads"])
         if theirs != settings:
             raise SystemExit(
                 f"{folder / 'run.json'} was written with other settings ({theirs}) than this command's "
-                f"({settings}): pass another --results, or the same --recipe and --set"
+                f"({settings}): pass another --results, or the same --recipe, --set and --threads"
             )
     return json.loads((folder / "heldout.json").read_text())
 
@@ -99,7 +119,7 @@ def command(seed: int, work: Path, overrides: Sequence[str], recipe: str | None 
     trainer = Path(sys.executable).with_name("trainer")
     return [
         str(trainer),
-        *([recipe] if recipe else []),
+        *([str(Path(recipe).resolve())] if recipe else []),
         f"seed={seed}",
         f"logging.run_dir={work}",
         f"logging.name=seed_{seed}",
@@ -110,33 +130,60 @@ def command(seed: int, work: Path, overrides: Sequence[str], recipe: str | None 
 
 
 def launch(seed: int, args: argparse.Namespace) -> subprocess.Popen:
+    """Start (or resume) one seed's run. Its folder under ``--work`` records the settings it was
+    started with: a folder of another sweep's settings is refused, not resumed into (``resume=auto``
+    would continue it, and keys a resume may change, such as ``total_steps``, would pass silently)."""
     run = args.work / f"seed_{seed}"
-    if run.exists() and not any((run / "checkpoints").glob("step_*")):
+    stamp = args.work / f"seed_{seed}.settings.json"
+    resumed = run.exists() and any((run / "checkpoints").glob("step_*"))
+    if resumed:
+        theirs = json.loads(stamp.read_text()) if stamp.is_file() else None
+        if theirs != sweep_settings(args):
+            raise SystemExit(
+                f"{run} holds a run of other settings ({theirs or 'not recorded'}) than this command's "
+                f"({sweep_settings(args)}): pass another --work, or delete that folder"
+            )
+    elif run.exists():
         shutil.rmtree(run)  # killed before its first checkpoint: nothing to resume from
     args.work.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(sweep_settings(args)) + "\n")
     log = open(args.work / f"seed_{seed}.log", "a")  # noqa: SIM115 (closed with the process below)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    argv = command(seed, args.work, args.set, args.recipe)
     print(
-        f"seed {seed}: started ({' '.join(command(seed, args.work, args.set, args.recipe))}; log {log.name})",
-        flush=True,
+        f"seed {seed}: {'resumed' if resumed else 'started'} ({' '.join(argv)}; log {log.name})", flush=True
     )
-    process = subprocess.Popen(
-        command(seed, args.work, args.set, args.recipe), stdout=log, stderr=subprocess.STDOUT, env=env
-    )
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     process.log = log  # type: ignore[attr-defined]
     process.started = time.perf_counter()  # type: ignore[attr-defined]
+    process.resumed = resumed  # type: ignore[attr-defined]
     return process
 
 
-def collect(seed: int, args: argparse.Namespace, wall_s: float) -> None:
+def record_launch(seed: int, args: argparse.Namespace, process: subprocess.Popen) -> list[dict[str, Any]]:
+    """Append this launch (its wall time, whether it resumed, its exit code) to the seed's launches
+    under ``--work``; all of them so far."""
+    path = args.work / f"seed_{seed}.launches.json"
+    launches = json.loads(path.read_text()) if path.is_file() else []
+    launches.append(
+        {
+            "wall_s": time.perf_counter() - process.started,  # type: ignore[attr-defined]
+            "resumed": process.resumed,  # type: ignore[attr-defined]
+            "returncode": process.returncode,
+        }
+    )
+    path.write_text(json.dumps(launches, indent=2) + "\n")
+    return launches
+
+
+def collect(seed: int, args: argparse.Namespace, launches: list[dict[str, Any]]) -> None:
     """Copy a finished run's files into the results folder (each file whole, the folder last), with
-    ``run.json``: the command, the thread count and the wall time of the process that finished it."""
+    ``run.json``: the command, the thread count, and the launches it took (a seed launched once,
+    not resumed, is the one whose ``wall_s`` is a whole run's time)."""
     run = args.work / f"seed_{seed}"
     missing = [name for name in KEPT if not (run / name).is_file()]
     if missing:
-        raise RuntimeError(
-            f"seed {seed}: the run in {run} ended without {', '.join(missing)}; see {args.work}/seed_{seed}.log"
-        )
+        raise RuntimeError(f"the run in {run} ended without {', '.join(missing)}")
     staging = args.results / f".seed_{seed}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -146,49 +193,56 @@ def collect(seed: int, args: argparse.Namespace, wall_s: float) -> None:
         "command": command(seed, args.work, args.set, args.recipe)[1:],
         "threads": args.threads,
         "jobs": args.jobs,
-        "wall_s": wall_s,
+        "wall_s": sum(launch["wall_s"] for launch in launches),
+        "launches": launches,
     }
     (staging / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     staging.replace(args.results / f"seed_{seed}")
-
-
-def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return settings_of(command(0, args.work, args.set, args.recipe)[1:])
 
 
 def run_missing(seeds: list[int], args: argparse.Namespace) -> None:
     todo = [s for s in seeds if finished(args.results, s, sweep_settings(args)) is None]
     running: dict[int, subprocess.Popen] = {}
     failed: list[int] = []
-    while todo or running:
-        while todo and len(running) < args.jobs:
-            seed = todo.pop(0)
-            running[seed] = launch(seed, args)
-        time.sleep(2)
-        for seed, process in list(running.items()):
-            if process.poll() is None:
-                continue
-            process.log.close()  # type: ignore[attr-defined]
-            del running[seed]
-            if process.returncode != 0:
+    try:
+        while todo or running:
+            while todo and len(running) < args.jobs:
+                seed = todo.pop(0)
+                running[seed] = launch(seed, args)
+            time.sleep(2)
+            for seed, process in list(running.items()):
+                if process.poll() is None:
+                    continue
+                process.log.close()  # type: ignore[attr-defined]
+                del running[seed]
+                launches = record_launch(seed, args, process)
+                log = args.work / f"seed_{seed}.log"
+                if process.returncode != 0:
+                    print(f"seed {seed}: trainer exited {process.returncode}; see {log}", flush=True)
+                    failed.append(seed)
+                    continue
+                try:
+                    collect(seed, args, launches)
+                except RuntimeError as error:
+                    print(f"seed {seed}: {error}; see {log}", flush=True)
+                    failed.append(seed)
+                    continue
+                verdict = finished(args.results, seed)
+                assert verdict is not None
                 print(
-                    f"seed {seed}: trainer exited {process.returncode}; see {args.work}/seed_{seed}.log",
+                    f"seed {seed}: done, base {verdict['base']:.3f} -> trained {verdict['trained']:.3f}",
                     flush=True,
                 )
-                failed.append(seed)
-                continue
-            collect(seed, args, time.perf_counter() - process.started)  # type: ignore[attr-defined]
-            verdict = finished(args.results, seed)
-            assert verdict is not None
-            print(
-                f"seed {seed}: done, base {verdict['base']:.3f} -> trained {verdict['trained']:.3f}",
-                flush=True,
-            )
+    finally:
+        for process in running.values():  # interrupted: no run outlives the sweep that started it
+            process.terminate()
+            process.wait()
+            process.log.close()  # type: ignore[attr-defined]
     if failed:
         raise SystemExit(f"seeds {failed} failed; rerun the same command to retry them")
 
 
-def summarise(seeds: list[int], results: Path, settings: dict[str, Any]) -> dict[str, Any]:
+def summarise(seeds: list[int], results: Path, settings: dict[str, Any] | None) -> dict[str, Any]:
     rows = []
     for seed in seeds:
         verdict = finished(results, seed, settings)
@@ -212,9 +266,7 @@ def summarise(seeds: list[int], results: Path, settings: dict[str, Any]) -> dict
                 "steps": len(metrics),
                 "cum_fe": metrics[-1].get("cum/fe") if metrics else None,
                 "train_time_s": metrics[-1].get("cum/time_s") if metrics else None,
-                "run": json.loads(run.read_text())
-                if (run := results / f"seed_{seed}" / "run.json").is_file()
-                else None,
+                "run": json.loads((results / f"seed_{seed}" / "run.json").read_text()),
             }
         )
     diffs = [r["diff"] for r in rows]
@@ -260,8 +312,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 def compare(summary: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """Seed by seed, this sweep's trained score minus ``other``'s (another recipe's sweep on the same
     seeds: the same held-out captions, evaluation seeds and base, so the difference pairs the two
-    trained models on the same images), with its mean over seeds, the standard error over seeds and
-    a 95% t interval. A seed whose two bases differ was evaluated differently: refused."""
+    trained models on the same images), with its mean over seeds, the standard error over seeds
+    (`boogu_trainer.demo.paired_summary` over seeds) and a 95% t interval. A seed whose two bases
+    differ was evaluated differently: refused."""
     theirs = {r["seed"]: r for r in other["rows"]}
     pairs = []
     for row in summary["rows"]:
@@ -275,10 +328,18 @@ def compare(summary: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
             )
         pairs.append({"seed": row["seed"], "advantage": row["trained"] - them["trained"]})
     values = [p["advantage"] for p in pairs]
+    paired = (
+        paired_summary(
+            [theirs[p["seed"]]["trained"] for p in pairs],
+            [row["trained"] for row in summary["rows"] if row["seed"] in theirs],
+        )
+        if pairs
+        else None
+    )
     return {
         "pairs": pairs,
-        "mean": statistics.fmean(values) if values else None,
-        "se": statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None,
+        "mean": paired["diff"] if paired else None,
+        "se": paired["se_diff"] if paired and len(pairs) > 1 else None,
         "mean_interval": mean_interval(values),
     }
 
@@ -288,9 +349,10 @@ def print_comparison(comparison: dict[str, Any], against: Path) -> None:
     print(f"against {against} (trained minus its trained score, same seed):")
     print(table([(str(p["seed"]), f"{p['advantage']:+.3f}") for p in pairs], ("seed", "advantage")))
     if comparison["se"] is not None:
+        ratio = f"{comparison['mean'] / comparison['se']:+.1f} se" if comparison["se"] > 0 else "no spread"
         print(
             f"mean advantage {comparison['mean_interval']} (95% t interval), se over {len(pairs)} seeds "
-            f"{comparison['se']:.3f}: {comparison['mean'] / comparison['se']:+.1f} se"
+            f"{comparison['se']:.3f}: {ratio}"
         )
 
 
@@ -345,6 +407,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for item in args.set:
         if "=" not in item:
             parser.error(f"--set {item!r}: expected KEY=VALUE")
+        if item.startswith(PER_SEED):
+            parser.error(f"--set {item!r}: the sweep sets {item.partition('=')[0]} for each seed itself")
+    if args.recipe is not None and not Path(args.recipe).is_file():
+        parser.error(f"--recipe {args.recipe}: no such file")
     args.work = args.work.resolve()
     return args
 
@@ -356,8 +422,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarise(args.seeds, args.results, sweep_settings(args))
     summary["settings"] = sweep_settings(args)
     print_summary(summary)
-    if args.against is not None:
-        other = json.loads((args.against / "summary.json").read_text())
+    if args.against is not None:  # its seeds' own files, whatever its summary.json last covered
+        other = summarise(args.seeds, args.against, settings=None)
         summary["against"] = {"results": str(args.against), **compare(summary, other)}
         print_comparison(summary["against"], args.against)
     if summary["rows"]:

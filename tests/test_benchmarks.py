@@ -642,7 +642,8 @@ def test_demo_seeds_runs_each_seed_once_and_loads_a_finished_sweep(
     assert len((kept / "metrics.jsonl").read_text().splitlines()) == 2
     summary = json.loads((results / "summary.json").read_text())
     assert summary["seeds"] == [3] and summary["rows"][0]["diff"] == pytest.approx(verdict["diff"])
-    assert summary["settings"] == {"recipe": None, "overrides": overrides}
+    assert summary["settings"] == {"recipe": None, "overrides": overrides, "threads": 1}
+    assert [launch["resumed"] for launch in summary["rows"][0]["run"]["launches"]] == [False]
     # the same command runs nothing and prints the same table; other settings are refused by file
     (work / "seed_3").rename(work / "gone")
     run_script("demo_seeds.py", common, monkeypatch)
@@ -651,18 +652,28 @@ def test_demo_seeds_runs_each_seed_once_and_loads_a_finished_sweep(
     assert not (work / "seed_3").exists()
     with pytest.raises(SystemExit, match=r"seed_3/run\.json was written with other settings"):
         run_script("demo_seeds.py", [*common, "--set=optim.lr=5e-4"], monkeypatch)
+    with pytest.raises(SystemExit, match=r"seed_3/run\.json was written with other settings"):
+        run_script("demo_seeds.py", [*common, "--threads", "2"], monkeypatch)
     # another sweep on the same seed: the trained scores paired; another evaluation refused
     other = tmp_path / "other"
     shutil.copytree(results, other)
-    summary["rows"][0]["trained"] -= 0.25
-    (other / "summary.json").write_text(json.dumps(summary))
+    verdict["trained"] -= 0.25
+    (other / "seed_3" / "heldout.json").write_text(json.dumps(verdict))
     capsys.readouterr()
     run_script("demo_seeds.py", [*common, "--no-run", "--against", str(other)], monkeypatch)
     assert re.search(r"^3\s+\+0\.250$", capsys.readouterr().out, re.MULTILINE)
     assert json.loads((results / "summary.json").read_text())["against"]["pairs"] == [
         {"seed": 3, "advantage": pytest.approx(0.25)}
     ]
-    summary["rows"][0]["base"] += 0.5
-    (other / "summary.json").write_text(json.dumps(summary))
+    verdict["base"] += 0.5
+    (other / "seed_3" / "heldout.json").write_text(json.dumps(verdict))
     with pytest.raises(SystemExit, match="seed 3: the two sweeps' bases differ"):
         run_script("demo_seeds.py", [*common, "--no-run", "--against", str(other)], monkeypatch)
+    # a work folder of other settings is not resumed into; per-seed keys are the sweep's own
+    (results / "seed_3").rename(results / "moved")
+    (work / "gone").rename(work / "seed_3")
+    with pytest.raises(SystemExit, match=r"work/seed_3 holds a run of other settings"):
+        run_script("demo_seeds.py", [*common, "--set=total_steps=3"], monkeypatch)
+    with pytest.raises(SystemExit):
+        run_script("demo_seeds.py", [*common, "--set=seed=5"], monkeypatch)
+    assert "the sweep sets seed for each seed itself" in capsys.readouterr().err

@@ -373,6 +373,7 @@ def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
 
     assert retry_after_seconds("3") == 3.0 and retry_after_seconds(None) is None
     assert retry_after_seconds("soon") is None and retry_after_seconds("-1") is None
+    assert retry_after_seconds("\u00b2") is None  # a digit to str.isdigit, not to float()
     now = 1_700_000_000.0  # Tue, 14 Nov 2023 22:13:20 GMT
     assert retry_after_seconds("Tue, 14 Nov 2023 22:13:30 GMT", now=now) == pytest.approx(10.0)
     assert retry_after_seconds("Tue, 14 Nov 2023 22:13:00 GMT", now=now) == 0.0  # past: at once

@@ -482,8 +482,8 @@ def test_a_run_whose_reward_cannot_be_imported_is_still_sampled(checkpoint, tmp_
 
 
 def safetensors_disk_full(tensors, path, metadata=None):
-    """What `safetensors.torch.save_file` raises on a full disk (its message, as a real write to a
-    file size limit gives it: "... I/O error: File too large (os error 27)")."""
+    """What `safetensors.torch.save_file` raises on a full disk (the form of its message as a real
+    write past a file size limit gives it: "... I/O error: File too large (os error 27)")."""
     raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
 

@@ -341,10 +341,11 @@ def save_tensors(
     try:
         save_file(dict(tensors), path, metadata=metadata)
     except SafetensorError as error:
-        code = re.search(r"os error (\d+)", str(error))
+        # 0.8 says "I/O error: ... (os error 28)"; older releases "IoError(Os { code: 28, ... })"
+        code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(error))
         if code is None:
             raise
-        number = int(code.group(1))
+        number = int(code.group(1) or code.group(2))
         raise OSError(number, os.strerror(number), str(path)) from error
 
 

@@ -268,7 +268,7 @@ class HttpReward:
     connecting, sending the request and reading the whole answer must end within it. ``retries``
     more attempts follow a transient failure, attempt k > 0 waiting
     ``min(max(backoff_s * 2**(k-1), Retry-After), backoff_max_s)`` first (the server's
-    ``Retry-After``, when its 429/503 gave one). ``api_key_env`` names an environment
+    ``Retry-After``, when a retryable answer gave one). ``api_key_env`` names an environment
     variable holding a bearer token. Proxies from the environment (http:// proxies only) are
     ignored unless ``use_proxy_env``. ``send_ref_images=False`` leaves the records' reference
     images out of the requests. ``on_error="nan"`` scores the images of a request that still fails

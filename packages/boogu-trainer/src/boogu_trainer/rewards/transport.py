@@ -64,7 +64,7 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # str.isdigit also takes '²' (a latin-1 header byte)
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

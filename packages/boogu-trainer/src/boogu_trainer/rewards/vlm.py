@@ -92,7 +92,7 @@ class VlmOcrReward(TranscriptionReward):
     must end within it, or the attempt fails as transient (over https the few reads of the TLS
     handshake each wait at most ``timeout_s`` too); attempt k > 0 waits
     ``min(max(backoff_s * 2**(k-1), Retry-After), backoff_max_s)`` first (the server's
-    ``Retry-After``, when its 429/503 gave one); ``api_key_env`` names an environment
+    ``Retry-After``, when a retryable answer gave one); ``api_key_env`` names an environment
     variable holding a bearer token; proxies from the environment (``http_proxy``,
     ``https_proxy``, ``no_proxy``; http:// proxies only) are ignored unless ``use_proxy_env``
     (endpoints are usually in-cluster, where an inherited ``http_proxy`` only reroutes them);
