@@ -23,6 +23,10 @@
    falling below the base says the reward is curved on that scale: the step is too long to see the
    slope, and so is an optimizer step of that length.
 
+The gradients are not kept whole when they would not fit in memory (`GroupGradients`): the signal,
+the noise and the mean direction come from exact running sums, and the cosine table from a
+CountSketch of each gradient (``--sketch``).
+
 Each group's advantages are normalised as the recipe does it within a rollout call of
 ``data.prompts_per_step`` prompts (`RolloutScorer.run`); a batch-wide std then scales the groups
 of one call alike, which changes no cosine. Nothing is trained: the weights are put back bitwise
@@ -54,6 +58,8 @@ from _common import environment, table, write_json
 from boogu_trainer.config import TrainerConfig, load_config, scenes_demo_config
 from boogu_trainer.trainer import Trainer
 
+AUTO_SKETCH = 65536
+"""Buckets of the gradients' CountSketch when they do not fit in memory: cosines read to ~0.004."""
 EVAL_STEP_OFFSET = 1_000_000
 """Rollout seeds of the uphill evaluation: steps far from the gradient's (which use 0, 1, ...)."""
 
@@ -62,34 +68,87 @@ EVAL_STEP_OFFSET = 1_000_000
 # The measurements
 
 
-def group_gradients(trainer: Trainer, num_groups: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    """(G, P) float32: the loss gradient of each of ``num_groups`` fresh prompt groups at the current
-    weights, and the rollouts' reward statistics. Rollout calls of ``data.prompts_per_step`` prompts,
-    the k-th seeded as training step k (`RolloutScorer.run`)."""
+class GroupGradients:
+    """The group gradients, kept one at a time as what the instruments read from them.
+
+    Exact, whatever the size: the count, the sum ``sum g_i`` (float64, P) and ``sum |g_i|^2``, from
+    which the signal ``S``, the noise ``V`` and the mean direction follow. For the cosine table, the
+    gradients themselves (``sketch=0``), or, when G x P float32 would not fit in memory (the 10B
+    model's LoRA), a CountSketch of each (``sketch`` buckets: coordinate i is added with a random
+    sign ``s(i)`` to bucket ``h(i)``, both drawn once from ``seed``), whose inner products are
+    unbiased estimates of the gradients' (variance ``(|a|^2 |b|^2 + <a, b>^2) / sketch``): a cosine
+    is then read to about ``1 / sqrt(sketch)``, and averaging over the pairs of a table row shrinks
+    that further.
+    """
+
+    def __init__(self, parameters: int, *, sketch: int = 0, seed: int = 0) -> None:
+        self.parameters, self.sketch = parameters, sketch
+        self.count = 0
+        self.total = torch.zeros(parameters, dtype=torch.float64)
+        self.square_sum = 0.0
+        self.moved = torch.zeros(parameters, dtype=torch.bool)
+        self._vectors: list[torch.Tensor] = []
+        if sketch:
+            generator = torch.Generator().manual_seed(seed)
+            self._bucket = torch.randint(sketch, (parameters,), generator=generator)
+            self._sign = torch.randint(2, (parameters,), generator=generator).float() * 2 - 1
+
+    def add(self, gradient: torch.Tensor) -> None:
+        g = gradient.detach().float().cpu().reshape(-1)
+        if g.numel() != self.parameters:
+            raise ValueError(f"a gradient of {g.numel()} entries, expected {self.parameters}")
+        self.count += 1
+        self.total += g.double()
+        self.square_sum += float(g.double().square().sum())
+        self.moved |= g != 0
+        if self.sketch:
+            g = torch.zeros(self.sketch).index_add_(0, self._bucket, g * self._sign)
+        self._vectors.append(g)
+
+    def signal_and_noise(self) -> tuple[float, float]:
+        """Unbiased estimates of ``S = |E g|^2`` and ``V = E|g - E g|^2`` from the G group gradients."""
+        count = self.count
+        signal = (float(self.total @ self.total) - self.square_sum) / (count * (count - 1))
+        return signal, self.square_sum / count - signal
+
+    def mean(self) -> torch.Tensor:
+        return (self.total / self.count).float()
+
+    def vectors(self) -> torch.Tensor:
+        """(G, P) the gradients, or (G, sketch) their sketches: what the cosine table reads."""
+        return torch.stack(self._vectors)
+
+
+def group_gradients(
+    trainer: Trainer, num_groups: int, *, sketch: int = 0, seed: int = 0
+) -> tuple[GroupGradients, dict[str, Any]]:
+    """The loss gradient of each of ``num_groups`` fresh prompt groups at the current weights (as
+    `GroupGradients`), and the rollouts' reward statistics. Rollout calls of
+    ``data.prompts_per_step`` prompts, the k-th seeded as training step k (`RolloutScorer.run`)."""
     learner, n = trainer.learner, trainer.config.algorithm.group_size
-    grads: list[torch.Tensor] = []
+    grads = GroupGradients(sum(p.numel() for p in learner.params), sketch=sketch, seed=seed)
     rewards: list[float] = []
     zero_spread = 0
     for call in itertools.count():
-        if len(grads) >= num_groups:
+        if grads.count >= num_groups:
             break
         records = trainer.data.next_batch()
         with learner.sampling_policy():
             batch = trainer.rollout.run(records, group_offset=0, step=call)
         rewards += batch.scores.total.tolist()
         for g in range(len(records)):
-            if len(grads) >= num_groups:
+            if grads.count >= num_groups:
                 break
             rows = list(range(g * n, (g + 1) * n))
             zero_spread += int(bool((batch.advantages[rows] == 0).all()))
-            grads.append(learner.gradient(batch, step=call, rows=rows))
-        _progress(f"gradients: {len(grads)}/{num_groups} groups")
+            grads.add(learner.gradient(batch, step=call, rows=rows))
+        _progress(f"gradients: {grads.count}/{num_groups} groups")
     stats = {
-        "images": len(grads) * n,
+        "images": grads.count * n,
         "reward_mean": sum(rewards) / len(rewards),
-        "zero_spread_groups": zero_spread / len(grads),
+        "zero_spread_groups": zero_spread / grads.count,
     }
-    return torch.stack(grads), stats
+    return grads, stats
 
 
 def pairwise_cosine(vectors: torch.Tensor) -> list[float]:
@@ -101,27 +160,19 @@ def pairwise_cosine(vectors: torch.Tensor) -> list[float]:
     return [float(sims[i, j]) for i in range(k) for j in range(i + 1, k)]
 
 
-def signal_and_noise(grads: torch.Tensor) -> tuple[float, float]:
-    """Unbiased estimates of ``S = |E g|^2`` and ``V = E|g - E g|^2`` from G independent group gradients."""
-    g = grads.double()
-    count = g.shape[0]
-    total = g.sum(dim=0)
-    square_sum = float((g * g).sum())
-    signal = (float(total @ total) - square_sum) / (count * (count - 1))
-    noise = square_sum / count - signal
-    return signal, noise
-
-
-def cosine_table(grads: torch.Tensor, group_size: int, sizes: Sequence[int]) -> list[dict[str, Any]]:
-    """For each batch size (images), the mean pairwise cosine of disjoint batches' gradients."""
-    signal, noise = signal_and_noise(grads)
+def cosine_table(
+    vectors: torch.Tensor, group_size: int, sizes: Sequence[int], signal: float, noise: float
+) -> list[dict[str, Any]]:
+    """For each batch size (images), the mean pairwise cosine of disjoint batches' gradients
+    (``vectors``: the group gradients or their sketches, `GroupGradients.vectors`), and the cosine
+    ``S / (S + V / m)`` the signal and noise estimates expect of batches of m groups."""
     rows = []
     for images in sizes:
         m = images // group_size
-        k = grads.shape[0] // m
+        k = vectors.shape[0] // m
         row: dict[str, Any] = {"images": images, "groups": m, "batches": k}
         if k >= 2:
-            batches = grads[: k * m].reshape(k, m, -1).mean(dim=1)
+            batches = vectors[: k * m].reshape(k, m, -1).mean(dim=1)
             cos = pairwise_cosine(batches)
             row.update(cosine=sum(cos) / len(cos), cosine_min=min(cos), cosine_max=max(cos))
         else:
@@ -222,17 +273,25 @@ def measure(
     eval_groups: int,
     cosine: bool = True,
     run_uphill: bool = True,
+    sketch: int | None = None,
+    max_store_gib: float = 2.0,
 ) -> dict[str, Any]:
-    """Both instruments on ``trainer``'s recipe at its current weights (nothing is trained)."""
+    """Both instruments on ``trainer``'s recipe at its current weights (nothing is trained).
+    ``sketch``: buckets of the CountSketch the cosine table reads (0: the gradients themselves;
+    None: those while ``groups`` x P float32 fit in ``max_store_gib``, else `AUTO_SKETCH`)."""
     start = time.perf_counter()
-    grads, rollout = group_gradients(trainer, groups)
+    parameters = sum(p.numel() for p in trainer.learner.params)
+    if sketch is None:  # the gradients themselves while they fit in max_store_gib, else a sketch
+        sketch = 0 if groups * parameters * 4 <= max_store_gib * 2**30 else AUTO_SKETCH
+    grads, rollout = group_gradients(trainer, groups, sketch=sketch, seed=trainer.config.seed)
     n = trainer.config.algorithm.group_size
-    signal, noise = signal_and_noise(grads)
-    mean_grad = grads.double().mean(dim=0).float()
+    signal, noise = grads.signal_and_noise()
+    mean_grad = grads.mean()
     result: dict[str, Any] = {
         "rollouts": rollout,
-        "parameters": grads.shape[1],
-        "parameters_moved": int((mean_grad != 0).sum()),
+        "parameters": parameters,
+        "parameters_moved": int(grads.moved.sum()),
+        "cosine_from": f"a CountSketch of {sketch} buckets" if sketch else "the gradients",
         "signal": signal,
         "noise": noise,
         "groups_for_cosine_half": noise / signal if signal > 0 else math.inf,
@@ -240,7 +299,7 @@ def measure(
         "gradient_seconds": time.perf_counter() - start,
     }
     if cosine:
-        result["cosine"] = cosine_table(grads, n, [s for s in sizes if s // n >= 1])
+        result["cosine"] = cosine_table(grads.vectors(), n, [s for s in sizes if s // n >= 1], signal, noise)
     if run_uphill:
         unit = adam_step_length(trainer, mean_grad)
         result["adam_step_length"] = unit
@@ -285,7 +344,8 @@ def report(result: dict[str, Any], label: str) -> str:
     )
     lines.append(
         f"signal |E g|^2 = {result['signal']:.3g}, noise E|g - E g|^2 per group = {result['noise']:.3g}: "
-        f"a cosine of 1/2 needs ~{result['images_for_cosine_half']:.0f} images per batch"
+        f"a cosine of 1/2 needs ~{result['images_for_cosine_half']:.0f} images per batch; "
+        f"cosines from {result['cosine_from']}"
     )
     if "cosine" in result:
         rows = [
@@ -347,6 +407,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--eps", default="0.25,0.75", help="step lengths (L2 norm over the LoRA parameters)")
     parser.add_argument("--no-uphill", action="store_true", help="only the cosine table")
+    parser.add_argument(
+        "--sketch",
+        type=int,
+        default=None,
+        help="read the cosine table from a CountSketch of this many buckets per gradient (0: the "
+        f"gradients; default: those while --groups x parameters float32 fit in --max-store-gib, else {AUTO_SKETCH})",
+    )
+    parser.add_argument(
+        "--max-store-gib", type=float, default=2.0, help="memory for the gradients themselves (default 2)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few groups, one eps")
@@ -368,6 +438,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 eps=eps,
                 eval_groups=args.eval_groups,
                 run_uphill=not args.no_uphill,
+                sketch=args.sketch,
+                max_store_gib=args.max_store_gib,
             )
         finally:
             trainer.close()

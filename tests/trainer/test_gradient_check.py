@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from boogu_trainer import losses
 from boogu_trainer.algorithms import awm as awm_module
@@ -133,3 +134,30 @@ def test_uphill_check_catches_a_flipped_sign(gradient_check, tiny_checkpoint, tm
             assert all(p.grad is None for p in trainer.learner.params)
     finally:
         trainer.close()
+
+
+def test_group_gradients_stream_the_exact_statistics_and_a_sketch_keeps_the_cosines(gradient_check):
+    # 64 "group gradients" over 20000 parameters: a common direction under noise 4x its size
+    generator = torch.Generator().manual_seed(0)
+    signal = torch.randn(20000, generator=generator)
+    grads = signal + 4 * torch.randn(64, 20000, generator=generator)
+    exact = gradient_check.GroupGradients(20000)
+    sketched = gradient_check.GroupGradients(20000, sketch=4096, seed=1)
+    for g in grads:
+        exact.add(g)
+        sketched.add(g)
+    # S and V exactly as from all the vectors at once (unbiased: S ~ |signal|^2, V ~ 16 P)
+    g = grads.double()
+    s_all = (float(g.sum(0) @ g.sum(0)) - float((g * g).sum())) / (64 * 63)
+    assert exact.signal_and_noise() == pytest.approx((s_all, float((g * g).sum()) / 64 - s_all), rel=1e-12)
+    assert sketched.signal_and_noise() == exact.signal_and_noise()  # the sums never go through the sketch
+    assert torch.equal(sketched.mean(), exact.mean()) and exact.vectors().shape == (64, 20000)
+    assert sketched.vectors().shape == (64, 4096)
+    # the cosine table from the sketch reads the gradients' own to ~sqrt((1 + cos^2) / 4096) per pair
+    s, v = exact.signal_and_noise()
+    from_grads = gradient_check.cosine_table(exact.vectors(), 8, [8, 64, 256], s, v)
+    from_sketch = gradient_check.cosine_table(sketched.vectors(), 8, [8, 64, 256], s, v)
+    for a, b in zip(from_grads, from_sketch, strict=True):
+        assert b["cosine"] == pytest.approx(a["cosine"], abs=0.05), (a, b)  # ~2.5 sd for one pair
+        assert a["cosine_expected"] == b["cosine_expected"]
+    assert 0.1 < from_grads[1]["cosine"] < 0.6  # 8 groups of 8: 1 / (1 + 16/8), about 1/3
