@@ -2,7 +2,7 @@
 
 ``benchmarks/algorithms.py --task scenes`` runs this (the design, pre-registered before its first
 measured run, is in benchmarks/README.md, "Algorithms on the scenes task"). The task is the demo's
-(`scenes_demo_config`): the tiny Boogu pretrained on procedural scenes, 8 train captions x 8 images
+(`scenes_task_config`): the tiny Boogu pretrained on procedural scenes, 8 train captions x 8 images
 per step, CFG-4 rollouts of 10 steps, LoRA r8, trained on ``scene_exact``; ``scene_dense`` is
 computed on every rollout at weight 0 (the proxy curve, never trained on). Every learner gets the
 same budget of forward-equivalents (``cum/fe``). The gold is ``scene_exact`` on the held-out
@@ -40,7 +40,7 @@ from _common import environment, table, write_json
 
 from boogu_adapters.lora import adapters_disabled
 from boogu_data.atomic import atomic_write_text
-from boogu_trainer.config import config_to_dict, load_config, scenes_demo_config
+from boogu_trainer.config import config_to_dict, load_config, scenes_task_config
 from boogu_trainer.demo import paired_summary
 from boogu_trainer.trainer import Trainer
 
@@ -54,7 +54,7 @@ TASK: list[str] = [
     f"eval.num_steps={EVAL_STEPS}",
     "eval.every=100000",  # the evaluator is built; this script calls it at the budget's quarters
 ]
-"""The task, on top of `scenes_demo_config()` (every learner's rollouts are CFG 4, 10 steps)."""
+"""The task, on top of `scenes_task_config()` (every learner's rollouts are CFG 4, 10 steps)."""
 
 SDE = ["sampler.noise_level=0.8", "sampler.window_size=2", "sampler.window_range=[0,6]"]
 
@@ -126,7 +126,7 @@ def run_config(name: str, seed: int, run_dir: str, extra: list[str]):
         "total_steps=100000",  # never reached: the run stops on the budget
         f"seed={seed}",
     ]
-    return load_config(None, overrides, base=scenes_demo_config())
+    return load_config(None, overrides, base=scenes_task_config())
 
 
 class _Done(Exception):
@@ -366,7 +366,7 @@ def same_settings(saved: Any, now: Any, base: Any = None) -> bool:
     from it) counts as the same when it has the value of the demo's config: the run could not have set
     it, and that value leaves the run as it was (e.g. ``rollout.pipeline: off``)."""
     if base is None:
-        base = {"config": config_to_dict(scenes_demo_config())}
+        base = {"config": config_to_dict(scenes_task_config())}
     if isinstance(saved, dict) and isinstance(now, dict):
         if set(saved) - set(now):
             return False

@@ -2,9 +2,10 @@
 
 What the demo's LoRA on the demo's model can reach at a given compute, for the RL curves to be read
 against (notes/rl-signal.md, "Ceiling"). The model, the LoRA and the evaluation are the demo's
-(`scenes_demo_config()`), built by the trainer itself (`Trainer.__init__`: the scenes checkpoint,
-`prepare_policy`'s LoRA r8/α16 with its seeded init, the `Evaluator`); only the objective differs.
-Instead of rewarding its own samples, the LoRA is fine-tuned with the pretraining's flow-matching
+(`scenes_task_config()`, the demo's settings when it was measured), built by the trainer itself
+(`Trainer.__init__`: the scenes checkpoint, `prepare_policy`'s LoRA r8/α16 with its seeded init,
+the `Evaluator`); only the objective differs. Instead of rewarding its own samples, the LoRA is
+fine-tuned with the pretraining's flow-matching
 loss (`boogu_trainer.tiny_pretrain.draw_flow_batch` and `flow_matching_loss`: a level of the
 checkpoint's schedule per row, ``x_t = (1 - sigma) x0 + sigma eps`` at Boogu time ``t = 1 - sigma``,
 target ``x0 - eps``, float32 MSE, the caption dropped for the empty negative with probability
@@ -62,7 +63,7 @@ from boogu_adapters.step import pad_features
 from boogu_data import PromptRecord
 from boogu_data.scenes import Scene
 from boogu_schedule import derive_seed, make_generator
-from boogu_trainer.config import TrainerConfig, config_to_dict, load_config, scenes_demo_config
+from boogu_trainer.config import TrainerConfig, config_to_dict, load_config, scenes_task_config
 from boogu_trainer.demo import paired_summary
 from boogu_trainer.metrics import forward_equivalents
 from boogu_trainer.perf import unwrap_transformer
@@ -108,7 +109,7 @@ def run_config(seed: int, run_dir: str, eval_prompts: int | None, quick: bool) -
     ]
     if eval_prompts is not None:
         overrides.append(f"eval.num_prompts={eval_prompts}")
-    return load_config(None, overrides, base=scenes_demo_config())
+    return load_config(None, overrides, base=scenes_task_config())
 
 
 def training_set(trainer: Trainer) -> TrainingSet:
@@ -279,7 +280,7 @@ def fe_marks(text: str | None, budget: float) -> list[float]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    demo = scenes_demo_config()
+    demo = scenes_task_config()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--seed",

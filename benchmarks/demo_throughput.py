@@ -1,7 +1,8 @@
 """Images per second of the CPU demo (``uv run trainer``), with this change's savings off and on.
 
-Times the demo's own training steps (``Trainer.train`` on ``scenes_demo_config()``: 8 captions x 8
-images, 64x64, 10 CFG-4 steps, DiffusionNFT with a LoRA) and its ending, the held-out evaluation
+Times the scenes task's training steps (the demo's when measured: ``Trainer.train`` on
+``scenes_task_config()``: 8 captions x 8 images, 64x64, 10 CFG-4 steps, DiffusionNFT with a LoRA)
+and its ending, the held-out evaluation
 (20 steps, LoRA on and then off, as ``boogu_trainer.demo.heldout_comparison`` runs it), in two sides:
 
 * ``before``: the same code with every saving switched off: each prompt batch encoded on every call
@@ -75,7 +76,7 @@ def run_side(side: str, steps: int, eval_prompts: int, threads: int, extra: list
     from _common import environment
 
     from boogu_adapters.lora import adapters_disabled, lora_state_dict
-    from boogu_trainer.config import load_config, scenes_demo_config
+    from boogu_trainer.config import load_config, scenes_task_config
     from boogu_trainer.metrics import plot_reward_curve
     from boogu_trainer.trainer import Trainer
 
@@ -90,7 +91,7 @@ def run_side(side: str, steps: int, eval_prompts: int, threads: int, extra: list
             *(["logging.plot_every=1"] if side == "before" else []),
             *extra,
         ]
-        config = load_config(None, overrides, base=scenes_demo_config())
+        config = load_config(None, overrides, base=scenes_task_config())
         t0 = time.perf_counter()
         trainer = Trainer(config)
         build_s = time.perf_counter() - t0

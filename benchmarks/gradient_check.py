@@ -37,7 +37,8 @@ after each perturbation.
     uv run python benchmarks/gradient_check.py my_recipe.yaml --set optim.lr=3e-4 --json out.json
 
 With a recipe, its own model, reward and sampler are used (so the check runs on your reward);
-without one, the demo's config (`scenes_demo_config`) with the learner's settings from
+without one, the scenes task's config (`scenes_task_config`: the demo's settings when these
+figures were measured; ``--learner demo``) with the learner's settings from
 `algorithms_scenes.ALGORITHMS`.
 """
 
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 from _common import environment, table, write_json
 
-from boogu_trainer.config import TrainerConfig, load_config, scenes_demo_config
+from boogu_trainer.config import TrainerConfig, load_config, scenes_task_config
 from boogu_trainer.trainer import Trainer
 
 AUTO_SKETCH = 65536
@@ -321,7 +322,7 @@ def build_config(args: argparse.Namespace, run_dir: str) -> TrainerConfig:
     if args.recipe is None:
         from algorithms_scenes import ALGORITHMS
 
-        base = scenes_demo_config()
+        base = scenes_task_config()
         if args.learner != "demo":
             overrides = [*ALGORITHMS[args.learner]["overrides"], *overrides]
     overrides += [

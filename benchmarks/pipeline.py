@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from flops import per_image_flops
 
-from boogu_trainer.config import load_config, scenes_demo_config
+from boogu_trainer.config import load_config, scenes_task_config
 from boogu_trainer.trainer import Trainer
 
 MODES = ("off", "one_step")
@@ -74,7 +74,7 @@ def run_config(mode: str, seed: int, steps: int, run_dir: str, quick: bool = Fal
         f"logging.name={mode}_s{seed}",
         *(QUICK if quick else []),
     ]
-    return load_config(None, overrides, base=scenes_demo_config())
+    return load_config(None, overrides, base=scenes_task_config())
 
 
 def measure(mode: str, seed: int, steps: int, run_dir: str, quick: bool = False) -> dict[str, Any]:

@@ -472,9 +472,9 @@ def test_algorithms_scenes_run_files_survive_a_config_key_added_later(monkeypatc
     same = runpy.run_path(str(BENCHMARKS / "algorithms_scenes.py"), run_name="algorithms_scenes")[
         "same_settings"
     ]
-    from boogu_trainer.config import config_to_dict, scenes_demo_config
+    from boogu_trainer.config import config_to_dict, scenes_task_config
 
-    now = {"config": config_to_dict(scenes_demo_config()), "budget_fe": 44160, "quarters": 4}
+    now = {"config": config_to_dict(scenes_task_config()), "budget_fe": 44160, "quarters": 4}
     old = json.loads(json.dumps(now))
     del old["config"]["rollout"]["pipeline"]  # written before rollout.pipeline existed
     assert same(old, now)

@@ -55,6 +55,7 @@ from boogu_trainer.config.sections import (
     demo_config,
     resolved_model_dtype,
     scenes_demo_config,
+    scenes_task_config,
 )
 
 __all__ = [
@@ -96,4 +97,5 @@ __all__ = [
     "resolved_model_dtype",
     "resume_not_bitwise_changes",
     "scenes_demo_config",
+    "scenes_task_config",
 ]
