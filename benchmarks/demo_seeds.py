@@ -75,6 +75,12 @@ PER_SEED = ("seed=", "logging.run_dir=", "logging.name=", "logging.progress=", "
 REPO = Path(__file__).resolve().parents[1]
 
 
+def portable(text: str) -> str:
+    """``text`` with this checkout's absolute path written relative to it (a results file is
+    committed: it must not name a path of the machine that ran it)."""
+    return text.replace(f"{REPO}/", "")
+
+
 def recipe_key(recipe: str | None) -> str | None:
     """How a recipe is named in a sweep's settings: its path relative to the repository when inside
     it (so ``./examples/x.yaml`` and its absolute path are the same recipe), else absolute."""
@@ -187,10 +193,10 @@ def collect(seed: int, args: argparse.Namespace, launches: list[dict[str, Any]])
     staging = args.results / f".seed_{seed}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name in KEPT:
-        shutil.copyfile(run / name, staging / name)
+    for name in KEPT:  # committed files: paths inside the repository written relative to it
+        (staging / name).write_text(portable((run / name).read_text()))
     record = {
-        "command": command(seed, args.work, args.set, args.recipe)[1:],
+        "command": [portable(a) for a in command(seed, args.work, args.set, args.recipe)[1:]],
         "threads": args.threads,
         "jobs": args.jobs,
         "wall_s": sum(launch["wall_s"] for launch in launches),

@@ -677,3 +677,19 @@ def test_demo_seeds_runs_each_seed_once_and_loads_a_finished_sweep(
     with pytest.raises(SystemExit):
         run_script("demo_seeds.py", [*common, "--set=seed=5"], monkeypatch)
     assert "the sweep sets seed for each seed itself" in capsys.readouterr().err
+
+
+def test_demo_seeds_writes_paths_in_the_checkout_relative_to_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import demo_seeds
+
+    repo = demo_seeds.REPO
+    assert repo == BENCHMARKS.parent
+    text = f"run_dir: {repo}/runs/demo_seeds\nrecipe: {repo}/examples/x.yaml\nother: /elsewhere/y"
+    assert (
+        demo_seeds.portable(text) == "run_dir: runs/demo_seeds\nrecipe: examples/x.yaml\nother: /elsewhere/y"
+    )
+    # a recipe named by its committed relative path is the same recipe as by its absolute one
+    assert demo_seeds.recipe_key("examples/tiny_scenes/scenes_demo.yaml") == demo_seeds.recipe_key(
+        str(repo / "examples/tiny_scenes/scenes_demo.yaml")
+    )
