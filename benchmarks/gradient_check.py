@@ -32,13 +32,14 @@ Each group's advantages are normalised as the recipe does it within a rollout ca
 of one call alike, which changes no cosine. Nothing is trained: the weights are put back bitwise
 after each perturbation.
 
-    uv run python benchmarks/gradient_check.py                       # the demo's recipe
+    uv run python benchmarks/gradient_check.py                       # the scenes task (the first demo's recipe)
+    uv run python benchmarks/gradient_check.py examples/tiny_scenes/scenes_demo.yaml   # today's demo
     uv run python benchmarks/gradient_check.py --learner flow_grpo   # the scenes comparison's FlowGRPO
     uv run python benchmarks/gradient_check.py my_recipe.yaml --set optim.lr=3e-4 --json out.json
 
 With a recipe, its own model, reward and sampler are used (so the check runs on your reward);
 without one, the scenes task's config (`scenes_task_config`: the demo's settings when these
-figures were measured; ``--learner demo``) with the learner's settings from
+figures were measured, now ``examples/tiny_scenes/scenes_quick.yaml``; ``--learner demo``) with the learner's settings from
 `algorithms_scenes.ALGORITHMS`.
 """
 
@@ -389,13 +390,16 @@ def report(result: dict[str, Any], label: str) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "recipe", nargs="?", help="a trainer recipe (YAML); default: the scenes demo's config"
+        "recipe",
+        nargs="?",
+        help="a trainer recipe (YAML); default: the scenes task's config (scenes_task_config)",
     )
     parser.add_argument(
         "--learner",
         default="demo",
         choices=["demo", "flow_grpo", "grpo_guard", "diffusion_nft", "awm"],
-        help="without a recipe: the demo's settings, or a learner's settings of the scenes comparison",
+        help="without a recipe: 'demo' is the scenes task's settings (the first demo's, scenes_quick.yaml; "
+        "today's demo is examples/tiny_scenes/scenes_demo.yaml), or a learner's settings of the scenes comparison",
     )
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a config override (repeatable)")
     parser.add_argument("--seed", type=int, default=0)

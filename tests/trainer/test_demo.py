@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from boogu_data.scenes import TAGS, TEST_PAIRS, VAL_PAIRS, Scene, generate_scenes, parse_caption
-from boogu_trainer.config import config_to_dict, demo_config, load_config, scenes_demo_config
+from boogu_trainer.config import (
+    config_to_dict,
+    demo_config,
+    load_config,
+    scenes_demo_config,
+    scenes_task_config,
+)
 from boogu_trainer.data import SCENES_LAYOUT, SCENES_SEED, demo_records, scene_caption_held_out
 from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON, heldout_comparison, paired_summary
 from boogu_trainer.metrics import summarize_rewards
@@ -46,6 +52,9 @@ def test_the_demo_recipe_is_the_demo_and_the_hacking_recipe_trains_on_the_proxy(
     # `trainer` with no arguments and its recipe copy run the same settings (but the run name).
     demo = config_to_dict(load_config(str(SCENES / "scenes_demo.yaml"), ["logging.name=demo"]))
     assert demo == config_to_dict(scenes_demo_config())
+    # the quicker recipe is the scenes task the benchmarks build on
+    quick = config_to_dict(load_config(str(SCENES / "scenes_quick.yaml"), ["logging.name=demo"]))
+    assert quick == config_to_dict(scenes_task_config())
     for config in (scenes_demo_config(), load_config(str(SCENES / "reward_hacking.yaml"), [])):
         assert config.model.tiny == "scenes" and not config.model.path and config.data.demo_set == "scenes"
         assert not config.data.train_files and not config.data.val_files  # built-in prompts

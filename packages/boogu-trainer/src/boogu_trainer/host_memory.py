@@ -5,8 +5,8 @@ PyTorch's CPU allocator takes every tensor from ``malloc`` and gives it back on 
 with a fresh ``mmap`` and returns them with ``munmap``, and trims the top of its heap whenever more
 than ``M_TRIM_THRESHOLD`` is free. Each denoising step of a CPU rollout allocates and frees hundreds
 of activation tensors of a few MiB, so their pages go back to the kernel and are faulted in, zeroed,
-4 KiB at a time, by the next step: measured 0.7-1.5 million page faults per demo rollout
-(``scenes_demo_config``: 64 images, 10 CFG steps), 14-26% of its CPU time spent in the kernel
+4 KiB at a time, by the next step: measured 0.7-1.5 million page faults per rollout of the scenes
+task (``scenes_task_config``: 64 images, 10 CFG steps), 14-26% of its CPU time spent in the kernel
 (``benchmarks/demo_throughput.py``). :func:`keep_freed_host_memory` raises both thresholds, so
 freed blocks stay in the heap: over the first rollouts the heap grows to a step's working set, and
 from then on tensors reuse it without a fault. The process's resident memory stays near its peak
