@@ -31,7 +31,7 @@ target ``x0 - eps``, float32 MSE, the caption dropped for the empty negative wit
 
     OMP_NUM_THREADS=1 uv run python benchmarks/ceiling.py [--seed 0] [--budget 44160]
         [--fe-marks 11040,22080,33120,44160] [--lr 1e-3] [--batch 64] [--cond-dropout 0.1]
-        [--eval-prompts 400] [--json PATH] [--quick]
+        [--eval-prompts 400] [--eval-steps N] [--json PATH] [--quick]
 
 ``--quick`` (the smoke test) trains 4 steps of 8 rows on 64 records and evaluates 4 captions with 2
 denoising steps: the plumbing only. Sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (see
@@ -98,8 +98,11 @@ class TrainingSet:
     """Distinct captions among the N records."""
 
 
-def run_config(seed: int, run_dir: str, eval_prompts: int | None, quick: bool) -> TrainerConfig:
-    """The demo's config, with this seed, a throw-away run folder and the evaluation's prompt count."""
+def run_config(
+    seed: int, run_dir: str, eval_prompts: int | None, quick: bool, eval_steps: int | None = None
+) -> TrainerConfig:
+    """The demo's config, with this seed, a throw-away run folder and the evaluation's prompt count
+    and denoising steps (None: the demo's)."""
     overrides = [
         f"seed={seed}",
         f"logging.run_dir={run_dir}",
@@ -109,6 +112,8 @@ def run_config(seed: int, run_dir: str, eval_prompts: int | None, quick: bool) -
     ]
     if eval_prompts is not None:
         overrides.append(f"eval.num_prompts={eval_prompts}")
+    if eval_steps is not None:
+        overrides.append(f"eval.num_steps={eval_steps}")
     return load_config(None, overrides, base=scenes_task_config())
 
 
@@ -148,7 +153,7 @@ def evaluate(trainer: Trainer, step: int) -> list[float]:
 
 
 def run(args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
-    config = run_config(args.seed, run_dir, args.eval_prompts, args.quick)
+    config = run_config(args.seed, run_dir, args.eval_prompts, args.quick, args.eval_steps)
     t0 = time.perf_counter()
     trainer = Trainer(config)
     try:
@@ -323,6 +328,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="held-out captions per evaluation (default: the demo's eval.num_prompts)",
     )
+    parser.add_argument(
+        "--eval-steps",
+        type=int,
+        default=None,
+        help="denoising steps of each evaluation (default: the demo's eval.num_steps; the algorithm "
+        "curves of benchmarks/algorithms.py --task scenes judge with 10)",
+    )
     parser.add_argument("--json", help="also write the figures and settings to this JSON file")
     parser.add_argument(
         "--quick",
@@ -334,6 +346,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.budget, args.batch = 96.0, 8  # 4 steps of 8 rows at 3 FE: one per quarter
     if args.batch < 1 or args.budget <= 0 or not 0 <= args.cond_dropout < 1 or args.lr <= 0:
         parser.error("--batch must be >= 1, --budget and --lr > 0, --cond-dropout in [0, 1)")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        parser.error(f"--eval-steps must be >= 1, got {args.eval_steps}")
     try:
         args.fe_marks = fe_marks(args.fe_marks, args.budget)
     except ValueError as error:
@@ -393,7 +407,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 },
                 "fe_rule": "forward_equivalents of the transformer's sample-forwards: forward 1, backward 2 (3 with gradient checkpointing); VAE and text encoder not counted",
                 # the run folder as "runs": the temporary one the trainer was given is gone
-                "config": config_to_dict(run_config(args.seed, "runs", args.eval_prompts, args.quick)),
+                "config": config_to_dict(
+                    run_config(args.seed, "runs", args.eval_prompts, args.quick, args.eval_steps)
+                ),
             },
             **result,
             "total_wall_s": total,

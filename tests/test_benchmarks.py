@@ -495,9 +495,12 @@ def test_algorithms_scenes_run_files_survive_a_config_key_added_later(monkeypatc
 def test_ceiling_quick(tmp_path, monkeypatch):
     out = tmp_path / "ceiling.json"
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
-    run_script("ceiling.py", ["--quick", "--json", str(out)], monkeypatch)
+    run_script("ceiling.py", ["--quick", "--eval-steps", "3", "--json", str(out)], monkeypatch)
     figures = json.loads(out.read_text())
     settings = figures["settings"]
+    assert (
+        settings["config"]["eval"]["num_steps"] == 3
+    )  # --eval-steps: the judge of the curves it sits beside
     assert settings["budget_fe"] == 96 and settings["fe_marks"] == [24, 48, 72, 96] and settings["batch"] == 8
     assert settings["lr"] == "0.001" and settings["config"]["lora"]["rank"] == 8  # the demo's lr and LoRA
     assert figures["records"] == 64 and figures["eval_prompts"] == 4 == len(figures["base_gold"])
@@ -571,6 +574,61 @@ def test_ceiling_fe_marks(monkeypatch):
     for bad in ("2000,1000", "0,1000", "1000,9000", "1000,1000", ""):
         with pytest.raises(ValueError, match="--fe-marks"):
             marks(bad, 5000.0)
+
+
+def test_curves_reads_the_committed_runs_and_draws_a_ceiling_only_beside_the_same_images(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    curves = runpy.run_path(str(BENCHMARKS / "curves.py"), run_name="curves")
+    stable = BENCHMARKS / "results" / "scenes" / "curves" / "nft_b128_t2_lr5e-4"
+    figures = curves["main"](
+        ["--runs", f"stable={stable}", "--out", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")]
+    )
+    recipe = figures["recipes"]["stable"]
+    assert recipe["learner"] == "diffusion_nft" and sorted(recipe["seeds"]) == [0, 1, 2]
+    # benchmarks/README.md, "The curves, part 2": the last marks +0.080, +0.128, +0.135, mean +0.114
+    assert [round(recipe["seeds"][s]["evaluations"][-1]["gain"], 3) for s in (0, 1, 2)] == [
+        0.08,
+        0.128,
+        0.135,
+    ]
+    assert round(recipe["mean"][-1]["gain"], 3) == 0.114 and recipe["mean"][-1]["seeds"] == 3
+    assert (tmp_path / "c.png").stat().st_size > 0 and json.loads((tmp_path / "c.json").read_text())[
+        "recipes"
+    ]
+    # A ceiling judged on other images (the committed one: ODE 20 steps, the runs': 10) is refused...
+    committed = BENCHMARKS / "results" / "ceiling" / "ceiling_s0.json"
+    with pytest.raises(
+        SystemExit, match=r"ceiling_s0\.json and .*diffusion_nft_s0\.json judge seed 0's base differently"
+    ):
+        curves["main"](
+            ["--runs", f"stable={stable}", "--ceiling", str(committed), "--out", str(tmp_path / "c.png")]
+        )
+    # ... one with the runs' base verdicts is drawn and reported.
+    ceiling = json.loads(committed.read_text())
+    ceiling["base_gold"] = json.loads((stable / "base_s0.json").read_text())["gold"]
+    (tmp_path / "ceiling.json").write_text(json.dumps(ceiling))
+    figures = curves["main"](
+        [
+            "--runs",
+            f"stable={stable}",
+            "--ceiling",
+            str(tmp_path / "ceiling.json"),
+            "--out",
+            str(tmp_path / "c.png"),
+        ]
+    )
+    assert [e["gain"] for e in figures["ceilings"][0]["evaluations"]] == [
+        e["gain"] for e in ceiling["evaluations"]
+    ]
+    assert "ceiling (flow matching)" in capsys.readouterr().out
+    for bad, message in (
+        (["--runs", "stable"], "NAME=DIR"),
+        (["--runs", f"a={tmp_path}"], "holds no run file"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            curves["main"](bad)
 
 
 # ----------------------------------------------------------------------------------------------
