@@ -15,7 +15,7 @@ held-out exact (and its paired difference from the base), and plots the gold aga
 proxy and the rollouts' exact per step.
 
 Each finished run is saved as ``--results DIR/<learner>_s<seed>.json`` (and each seed's base as
-``base_s<seed>.json``): a rerun with the same settings loads them instead of running again, so a
+``base_s<seed>.json``, its trainer's per-step ``metrics.jsonl`` as ``<learner>_s<seed>.metrics.jsonl``): a rerun with the same settings loads them instead of running again, so a
 long comparison survives being stopped and continues where it was; a file written with other
 settings is an error that names it.
 
@@ -410,10 +410,13 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
                 run = saved["run"]
                 print(f"{name} seed {seed}: loaded from {path}", flush=True)
             else:
-                with tempfile.TemporaryDirectory() as tmp:  # the trainer's run folder: not kept
+                with tempfile.TemporaryDirectory() as tmp:  # the trainer's run folder: not kept...
                     run = run_one(
                         name, seed, tmp, budget, extra[name], results / f"base_s{seed}.json", points
                     )
+                    # ... but its per-step instruments (clip fraction, KL, grad norm, zero-std share)
+                    metrics = Path(tmp) / f"{name}_s{seed}" / "metrics.jsonl"
+                    atomic_write_text(results / f"{name}_s{seed}.metrics.jsonl", metrics.read_text())
                 atomic_write_text(path, json.dumps({"settings": settings, "run": run}))
             runs[name].append(run)
             last = run["evaluations"][-1]

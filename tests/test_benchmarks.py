@@ -414,6 +414,12 @@ def test_algorithms_scenes_quick_and_resumed(tmp_path, monkeypatch, capsys):
         assert summary["final_gain"] == [pytest.approx(run["evaluations"][-1]["gold"] - run["base"])]
     assert (tmp_path / "algorithms_scenes.png").stat().st_size > 0
     assert {p.name for p in results.iterdir()} >= {"base_s0.json", "awm_s0.json", "flow_grpo_s0.json"}
+    # each run's per-step instruments are kept beside its run file, one record per step
+    for name, runs in figures["runs"].items():
+        records = [
+            json.loads(line) for line in (results / f"{name}_s0.metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["cum/fe"] for r in records] == runs[0]["cum_fe"] and "grad_norm" in records[0], name
     capsys.readouterr()
     # the same command loads the finished runs; another setting for one of them is refused by name
     run_script("algorithms.py", [*common, "--algorithms", "awm"], monkeypatch)
