@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from boogu_trainer.cli import main
-from boogu_trainer.config import ConfigError, TrainerConfig, check_world_layout, demo_config
+from boogu_trainer.config import (
+    ConfigError,
+    TrainerConfig,
+    check_world_layout,
+    demo_config,
+    scenes_demo_config,
+)
 from boogu_trainer.distributed import DistEnv
 from boogu_trainer.learner import Learner, UpdateResult
 from boogu_trainer.plan import plan_memory, train_micro_batch_rows
@@ -188,7 +194,8 @@ def test_refusal_names_the_keys_values_and_what_is_allowed(prompts, mini_batches
 
 
 def test_plan_command_refuses_a_layout_the_trainer_would_refuse(tmp_path, capsys):
-    # the demo's 8 prompts per step cannot be split over 16 ranks
-    code = main(["--plan", "--world-size", "16", f"logging.run_dir={tmp_path / 'runs'}"])
+    # the demo's prompts per step (16) cannot be split over twice as many ranks
+    prompts = scenes_demo_config().data.prompts_per_step
+    code = main(["--plan", "--world-size", str(2 * prompts), f"logging.run_dir={tmp_path / 'runs'}"])
     err = capsys.readouterr().err
-    assert code == 2 and "config error: data.prompts_per_step=8 over 16 ranks" in err
+    assert code == 2 and f"config error: data.prompts_per_step={prompts} over {2 * prompts} ranks" in err
