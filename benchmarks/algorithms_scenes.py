@@ -15,9 +15,10 @@ held-out exact (and its paired difference from the base), and plots the gold aga
 proxy and the rollouts' exact per step.
 
 Each finished run is saved as ``--results DIR/<learner>_s<seed>.json`` (and each seed's base as
-``base_s<seed>.json``, its trainer's per-step ``metrics.jsonl`` as ``<learner>_s<seed>.metrics.jsonl``): a rerun with the same settings loads them instead of running again, so a
-long comparison survives being stopped and continues where it was; a file written with other
-settings is an error that names it.
+``base_s<seed>.json``, its trainer's per-step ``metrics.jsonl`` as
+``<learner>_s<seed>.metrics.jsonl``): a rerun with the same settings loads them instead of running
+again, so a long comparison survives being stopped and continues where it was; a file written
+with other settings is an error that names it.
 
     uv run python benchmarks/algorithms.py --task scenes [--seeds 2] [--first-seed 0]
         [--algorithms flow_grpo,awm] [--set awm:optim.lr=1e-3] [--results DIR] [--out DIR]

@@ -4,8 +4,8 @@
   ``examples/tiny_scenes/scenes_demo.yaml``): the pretrained tiny model trains on the exact scene
   verifier and is judged by it on held-out captions; its ending (base vs trained, ``heldout.json``
   and the before/after grid) is checked here on the random model, fast. (Its held-out gain, a
-  9-minute run, is measured in the README and docs/tiny-model.md, not here.) The reward-hacking recipe trains on
-  the dense verifier instead.
+  9-minute run, is measured in the README and docs/tiny-model.md, not here.) The reward-hacking
+  recipe trains on the dense verifier instead.
 * The tests' fast run (``demo_config``: the random checkpoint, a reward it can move): its reward
   rises by more than twice the standard error over its 30 steps. (That a reward falls when the advantage's sign is
   flipped, for every algorithm, is checked in ``test_algorithms.py``.)
