@@ -36,6 +36,8 @@ after each perturbation.
     uv run python benchmarks/gradient_check.py examples/tiny_scenes/scenes_demo.yaml   # today's demo
     uv run python benchmarks/gradient_check.py --learner flow_grpo   # the scenes comparison's FlowGRPO
     uv run python benchmarks/gradient_check.py my_recipe.yaml --set optim.lr=3e-4 --json out.json
+    uv run python benchmarks/gradient_check.py examples/tiny_scenes/scenes_demo.yaml \
+        --resume runs/<run>/checkpoints/<step>   # at a trained checkpoint instead of the base
 
 With a recipe, its own model, reward and sampler are used (so the check runs on your reward);
 without one, the scenes task's config (`scenes_task_config`: the demo's settings when these
@@ -52,11 +54,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from _common import environment, table, write_json
 
+from boogu_trainer.checkpoint import CheckpointError, verify_checkpoint
 from boogu_trainer.config import TrainerConfig, load_config, scenes_task_config
 from boogu_trainer.trainer import Trainer
 
@@ -336,6 +340,23 @@ def build_config(args: argparse.Namespace, run_dir: str) -> TrainerConfig:
     return load_config(args.recipe, overrides, base=base)
 
 
+def open_trainer(config: TrainerConfig, resume: str | None) -> Trainer:
+    """The recipe's trainer, at ``resume`` (a trainer checkpoint: its LoRA, optimizer and data
+    position, loaded by the trainer's own resume, which refuses a config that differs from the run's)
+    or at the base."""
+    if resume and (problem := verify_checkpoint(Path(resume).expanduser())) is not None:
+        # said before the model loads: the trainer's resume would say it after
+        raise CheckpointError(f"--resume {resume} is not an intact checkpoint: {problem}")
+    trainer = Trainer(config)
+    if resume:
+        try:
+            trainer.resume(resume)
+        except BaseException:
+            trainer.close()
+            raise
+    return trainer
+
+
 def report(result: dict[str, Any], label: str) -> str:
     lines = [f"== {label}"]
     r = result["rollouts"]
@@ -404,6 +425,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a config override (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--resume",
+        metavar="CHECKPOINT",
+        help="measure at this trainer checkpoint (its trained LoRA and data position), as `trainer "
+        "resume=...` would continue it; the recipe, --set and --seed must be the run's (the trainer's "
+        "resume check names any difference); default: the base model",
+    )
+    parser.add_argument(
         "--groups", type=int, default=128, help="prompt groups for the gradients (>= 1024 images)"
     )
     parser.add_argument("--sizes", default="16,64,256", help="batch sizes (images) of the cosine table")
@@ -434,7 +462,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     eps = [float(s) for s in args.eps.split(",")]
     with tempfile.TemporaryDirectory() as run_dir:
         config = build_config(args, run_dir)
-        trainer = Trainer(config)
+        try:
+            trainer = open_trainer(config, args.resume)
+        except CheckpointError as error:  # not a checkpoint, or one of another run's config
+            raise SystemExit(f"gradient_check: {error}") from None
         try:
             result = measure(
                 trainer,
@@ -452,7 +483,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     label = (
         f"{args.recipe or 'scenes demo'} / {args.learner if args.recipe is None else a.name} "
         f"({a.name}{'/' + a.loss if a.name == 'flow_grpo' else ''}, lr {config.optim.lr:g}, "
-        f"group {a.group_size}, seed {args.seed})"
+        f"group {a.group_size}, seed {args.seed}"
+        f"{', at ' + args.resume if args.resume else ', at the base'})"
     )
     print(report(result, label))
     figures = {
@@ -461,6 +493,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "learner": args.learner,
         "overrides": args.set or [],
         "seed": args.seed,
+        "resume": args.resume,
         "environment": environment(),
         **result,
     }

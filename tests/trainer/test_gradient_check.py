@@ -18,6 +18,7 @@ import torch
 from boogu_trainer import losses
 from boogu_trainer.algorithms import awm as awm_module
 from boogu_trainer.algorithms import flow_grpo as flow_grpo_module
+from boogu_trainer.checkpoint import CheckpointError
 from boogu_trainer.config import load_config
 from boogu_trainer.trainer import Trainer
 
@@ -80,33 +81,33 @@ FLIPS = {
 }
 
 
+def tiny_overrides(tiny_checkpoint, run_dir, learner: str) -> list[str]:
+    """The tiny random model with the brightness reward: a reward it can move in one step."""
+    return [
+        f"model.path={tiny_checkpoint}",
+        "model.device=cpu",
+        "data.prompts_per_step=2",
+        "algorithm.group_size=4",
+        "sampler.num_steps=4",
+        "sampler.height=32",
+        "sampler.width=32",
+        "sampler.guidance_scale=2.0",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "optim.lr=1e-3",
+        "reward.rewards=[{name: demo_brightness}]",
+        *LEARNERS[learner],
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "preflight=false",
+        "seed=5",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("learner", list(LEARNERS))
 def test_uphill_check_catches_a_flipped_sign(gradient_check, tiny_checkpoint, tmp_path, learner):
-    trainer = Trainer(
-        load_config(
-            None,
-            [
-                f"model.path={tiny_checkpoint}",
-                "model.device=cpu",
-                "data.prompts_per_step=2",
-                "algorithm.group_size=4",
-                "sampler.num_steps=4",
-                "sampler.height=32",
-                "sampler.width=32",
-                "sampler.guidance_scale=2.0",
-                "lora.rank=4",
-                "lora.alpha=8",
-                "optim.lr=1e-3",
-                "reward.rewards=[{name: demo_brightness}]",
-                *LEARNERS[learner],
-                f"logging.run_dir={tmp_path}",
-                "logging.progress=false",
-                "preflight=false",
-                "seed=5",
-            ],
-        )
-    )
+    trainer = Trainer(load_config(None, tiny_overrides(tiny_checkpoint, tmp_path, learner)))
     right = trainer.rollout.algorithm
     before = [p.detach().clone() for p in trainer.learner.params]
     try:
@@ -161,3 +162,33 @@ def test_group_gradients_stream_the_exact_statistics_and_a_sketch_keeps_the_cosi
         assert b["cosine"] == pytest.approx(a["cosine"], abs=0.05), (a, b)  # ~2.5 sd for one pair
         assert a["cosine_expected"] == b["cosine_expected"]
     assert 0.1 < from_grads[1]["cosine"] < 0.6  # 8 groups of 8: 1 / (1 + 16/8), about 1/3
+
+
+def test_the_check_measures_at_a_trained_checkpoint_and_refuses_another_runs(
+    gradient_check, tiny_checkpoint, tmp_path
+):
+    # `--resume`: the instruments at the end of a run, not only at the base. One trained step saved
+    # as a checkpoint; the check's trainer (a fresh run folder, as the script makes) holds that
+    # step's LoRA bitwise, and a recipe that differs from the run's is refused by the resume check.
+    overrides = tiny_overrides(tiny_checkpoint, tmp_path / "run", "diffusion_nft")
+    config = load_config(None, [*overrides, "total_steps=1", "checkpoint.save_every=1"])
+    with Trainer(config) as trainer:
+        base = [p.detach().clone() for p in trainer.learner.params]
+        trainer.train()
+        trained = [p.detach().clone() for p in trainer.learner.params]
+    checkpoint = next((tmp_path / "run").rglob("step_000001"))
+    assert any(not torch.equal(t, b) for t, b in zip(trained, base))
+
+    fresh = load_config(None, [*overrides, f"logging.run_dir={tmp_path / 'check'}"])
+    trainer = gradient_check.open_trainer(fresh, str(checkpoint))
+    try:
+        assert all(torch.equal(p, t) for p, t in zip(trainer.learner.params, trained))
+        assert trainer.step == 1
+    finally:
+        trainer.close()
+
+    other = load_config(None, [*overrides, "optim.lr=3e-4", f"logging.run_dir={tmp_path / 'other'}"])
+    with pytest.raises(CheckpointError, match=r"optim\.lr"):
+        gradient_check.open_trainer(other, str(checkpoint))
+    with pytest.raises(SystemExit, match="not an intact checkpoint"):
+        gradient_check.main(["--resume", str(tmp_path / "nowhere"), "--quick"])
