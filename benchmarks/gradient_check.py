@@ -344,8 +344,8 @@ def open_trainer(config: TrainerConfig, resume: str | None) -> Trainer:
     """The recipe's trainer, at ``resume`` (a trainer checkpoint: its LoRA, optimizer and data
     position, loaded by the trainer's own resume, which refuses a config that differs from the run's)
     or at the base."""
-    if resume and (problem := verify_checkpoint(Path(resume).expanduser())) is not None:
-        # said before the model loads: the trainer's resume would say it after
+    if resume and (problem := verify_checkpoint(Path(resume).expanduser(), hashes=False)) is not None:
+        # said before the model loads (files and sizes only: the trainer's resume checks the hashes)
         raise CheckpointError(f"--resume {resume} is not an intact checkpoint: {problem}")
     trainer = Trainer(config)
     if resume:
