@@ -407,7 +407,9 @@ def main() -> None:
     parser.add_argument(
         "--algorithms",
         default=None,
-        help="comma-separated subset of the task's learners (demo: " + ", ".join(ALGORITHMS) + ")",
+        help="comma-separated subset of the task's learners (demo: "
+        + ", ".join(ALGORITHMS)
+        + "; scenes: the regime's recipes, algorithms_scenes.RECIPES and .ALGORITHMS)",
     )
     parser.add_argument(
         "--results",
@@ -426,7 +428,15 @@ def main() -> None:
         "--evaluations",
         type=int,
         default=None,
-        help="scenes: held-out evaluations per run, at each k/N of the budget (default 4: the quarters)",
+        help="scenes: held-out evaluations per run, at each k/N of the budget (default: the regime's, "
+        "v2 6, v1 4)",
+    )
+    parser.add_argument(
+        "--regime",
+        choices=("v1", "v2"),
+        default=None,
+        help="scenes: the recipes, budget and evaluations (v2, the default: 132480 FE, 6 evaluations on "
+        "400 captions, each learner's best recipe found; v1: the first comparison's, 44160 FE, 4 on 200)",
     )
     parser.add_argument("--out", default="/tmp/algbench", help="folder for algorithms.png")
     parser.add_argument("--json", help="also write the figures to this JSON file")
@@ -441,12 +451,18 @@ def main() -> None:
     learners = ALGORITHMS
     if args.evaluations is not None and (args.task != "scenes" or args.evaluations < 1):
         parser.error("--evaluations: a positive count, with --task scenes only")
+    if args.regime is not None and args.task != "scenes":
+        parser.error("--regime: with --task scenes only")
     if args.task == "scenes":
         import algorithms_scenes
 
-        learners = algorithms_scenes.ALGORITHMS
+        args.regime = args.regime or algorithms_scenes.DEFAULT_REGIME
+        regime = algorithms_scenes.REGIMES[args.regime]
+        learners = regime.recipes
         if args.budget_fe == BUDGET_FE:
-            args.budget_fe = algorithms_scenes.BUDGET_FE
+            args.budget_fe = regime.budget_fe
+        if args.evaluations is None:
+            args.evaluations = regime.evaluations
     if args.quick:  # the plumbing only: 1 seed, 1 prompt x 8 samples, 3 steps
         args.seeds, args.max_steps = 1, 3
         args.budget_fe = min(args.budget_fe, 576 if args.task == "demo" else 600)

@@ -1,26 +1,37 @@
 """The learners head to head on the scenes task: held-out verifier score against compute.
 
-``benchmarks/algorithms.py --task scenes`` runs this (the design, pre-registered before its first
-measured run, is in benchmarks/README.md, "Algorithms on the scenes task"). The task is the demo's
-(`scenes_task_config`): the tiny Boogu pretrained on procedural scenes, 8 train captions x 8 images
-per step, CFG-4 rollouts of 10 steps, LoRA r8, trained on ``scene_exact``; ``scene_dense`` is
-computed on every rollout at weight 0 (the proxy curve, never trained on). Every learner gets the
-same budget of forward-equivalents (``cum/fe``). The gold is ``scene_exact`` on the held-out
-captions (``data.demo_eval_split=heldout``, never training prompts), ODE, CFG 4, fixed seeds, the
-same images for every learner's base: it is measured with the LoRA off (the base, once per seed)
-and at the first step past each quarter of the budget. Per learner it reports the FE and the wall
-time (the trainer's step time) to the target (held-out exact >= base + ``TARGET_GAIN`` at an
-evaluation), with the FE ratio to flow_grpo and its 95% bootstrap interval over seeds, the final
-held-out exact (and its paired difference from the base), and plots the gold against FE and the
-proxy and the rollouts' exact per step.
+``benchmarks/algorithms.py --task scenes`` runs this (each design, pre-registered before its first
+measured run, is in benchmarks/README.md: "Algorithms on the scenes task" for the first regime, "The
+learners head to head in the new regime" for the second). The task is the demo's
+(`scenes_task_config`): the tiny Boogu pretrained on procedural scenes, train captions, CFG-4 judge
+of 10 ODE steps, LoRA r8, trained on ``scene_exact``; ``scene_dense`` is computed on every rollout at
+weight 0 (the proxy curve, never trained on). Every recipe gets the same budget of
+forward-equivalents (``cum/fe``). The gold is ``scene_exact`` on the held-out captions
+(``data.demo_eval_split=heldout``, never training prompts), ODE, CFG 4, fixed seeds, the same images
+for every recipe's base: it is measured with the LoRA off (the base, once per seed) and at the first
+step past each k/N of the budget. Per recipe it reports the FE and the wall time (the trainer's step
+time) to the target (held-out exact >= base + ``TARGET_GAIN`` at an evaluation), with the FE ratio
+to flow_grpo and its 95% bootstrap interval over seeds, the median FE to the target (runs that never
+reach it count as beyond the budget), the final held-out exact (and its paired difference from the
+base), the final gain's paired difference from flow_grpo's on the same seeds, and plots the gold
+against FE and the proxy and the rollouts' exact per step.
 
-Each finished run is saved as ``--results DIR/<learner>_s<seed>.json`` (and each seed's base as
+Two regimes (``--regime``), each a set of recipes with its budget and evaluations:
+
+* ``v2`` (the default; issues 44-45): 132480 FE, 6 evaluations on 400 held-out captions, each learner
+  at the recipe the curves found best for it (`RECIPES`: 128 images per step, lr 3e-4 for the
+  FlowGRPO family and AWM, DiffusionNFT's demo recipe), plus MixGRPO's progressive window,
+  DanceGRPO's SDE and AWM's fast-but-unstable recipe.
+* ``v1`` (issue 27, the first comparison): 44160 FE, 4 evaluations on 200 captions, 64 images per
+  step, lr tuned on seeds 0-1 (`ALGORITHMS`). Its committed tables load with ``--regime v1``.
+
+Each finished run is saved as ``--results DIR/<recipe>_s<seed>.json`` (and each seed's base as
 ``base_s<seed>.json``, its trainer's per-step ``metrics.jsonl`` as
-``<learner>_s<seed>.metrics.jsonl``): a rerun with the same settings loads them instead of running
+``<recipe>_s<seed>.metrics.jsonl``): a rerun with the same settings loads them instead of running
 again, so a long comparison survives being stopped and continues where it was; a file written
 with other settings is an error that names it.
 
-    uv run python benchmarks/algorithms.py --task scenes [--seeds 2] [--first-seed 0]
+    uv run python benchmarks/algorithms.py --task scenes [--regime v2] [--seeds 2] [--first-seed 0]
         [--algorithms flow_grpo,awm] [--set awm:optim.lr=1e-3] [--results DIR] [--out DIR]
         [--json PATH] [--quick]
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -102,20 +114,131 @@ grid's choice (benchmarks/README.md, tuning on seeds 0-1 of 2026-12-05), the res
 
 NEW_ALGORITHMS = ("diffusion_nft", "awm")
 BUDGET_FE = 44160
-"""Forward-equivalents per run: the demo's 30 DiffusionNFT steps (64 images x 23 FE)."""
+"""v1's forward-equivalents per run: the demo's 30 DiffusionNFT steps (64 images x 23 FE)."""
 QUARTERS = 4
-"""Evaluations per run by default (``--evaluations``): at the first step whose cum/fe reaches k/4 of
-the budget."""
+"""v1's evaluations per run (``--evaluations``): at the first step whose cum/fe reaches k/4 of the
+budget."""
+
+COMMON_V2 = [
+    "data.prompts_per_step=8",
+    "algorithm.group_size=16",
+    "algorithm.std_scope=batch",
+    "algorithm.adv_clip=5",
+    "optim.lr=3e-4",
+    "optim.weight_decay=1e-4",
+]
+"""The shipped recipes' regime on the tiny model (benchmarks/README.md, the curves, part 3): the
+10B recipes' 32 prompts x 16 images become 8 x 16, 128 images per step, batch-normalised advantages
+clipped at 5, lr 3e-4."""
+FGRPO_V2 = [
+    "sampler.noise_level=1.2",
+    "sampler.window_size=2",
+    "sampler.window_range=[0,5]",
+    "sampler.window_scope=group",
+    "algorithm.clip_range=1e-4",
+    "algorithm.kl_coef=0",
+    "algorithm.mini_batches=2",
+]
+"""flow_grpo's reference recipe: a window of 2 SDE steps drawn in [0, 5) per group, noise 1.2, clip 1e-4."""
+JUDGE_V2 = ["eval.num_prompts=400", "eval.guidance_scale=4"]
+"""v2's judge: 400 held-out captions at CFG 4 whatever the rollouts' CFG."""
+
+RECIPES: dict[str, dict[str, Any]] = {
+    "flow_grpo": {
+        "overrides": [*ALGORITHMS["flow_grpo"]["overrides"], *COMMON_V2, *FGRPO_V2],
+        "why": "the shipped FlowGRPO recipe (examples/flowgrpo_trainer's settings at 8 x 16 images): SDE window 2 in [0, 5) per group, noise 1.2, clip 1e-4, no KL, lr 3e-4, 2 mini-batches; the best found by the curves' rule (the curves, part 4 (b))",
+    },
+    "grpo_guard": {
+        "overrides": [
+            *ALGORITHMS["grpo_guard"]["overrides"],
+            *COMMON_V2,
+            *FGRPO_V2,
+            "algorithm.clip_range=2e-6",
+        ],
+        "why": "flow_grpo's recipe with RatioNorm and verl-omni's clip 2e-6; the best found by the curves' rule",
+    },
+    "diffusion_nft": {
+        "overrides": [
+            *ALGORITHMS["diffusion_nft"]["overrides"],
+            "algorithm.nft.timesteps=2",
+            "data.prompts_per_step=16",
+            "optim.lr=5e-4",
+        ],
+        "why": "the demo's recipe (examples/tiny_scenes/scenes_demo.yaml): CFG-4 ODE rollouts, 16 x 8 images, 2 levels per image, common noise per group, old = current, lr 5e-4; the best found (the curves, parts 1-2)",
+    },
+    "awm": {
+        "overrides": [
+            *ALGORITHMS["awm"]["overrides"],
+            *COMMON_V2,
+            "sampler.guidance_scale=1",
+            "algorithm.awm.timesteps=4",
+            "algorithm.awm.time_sampling=uniform",
+            "algorithm.awm.sigma_range=[0,0.7]",
+            "algorithm.awm.clip_range=null",
+            "algorithm.kl_coef=1e-4",
+            "algorithm.mini_batches=1",
+        ],
+        "why": "the shipped AWM recipe (Flow-Factory's published config at 8 x 16 images): CFG-free ODE rollouts, 4 uniform levels in sigma [0, 0.7], KL 1e-4, lr 3e-4, one mini-batch; the best three-seed final gain of AWM's recipes at this budget (the curves, part 4 (a)-(b))",
+    },
+    "mixgrpo": {
+        "overrides": [
+            *ALGORITHMS["flow_grpo"]["overrides"],
+            *COMMON_V2,
+            *FGRPO_V2,
+            "sampler.window_kind=progressive",
+            "sampler.window_every=9",
+        ],
+        "why": "MixGRPO's progressive window on flow_grpo's recipe: the 2-step window slides from the noisiest step to step 3 of [0, 5), one position every 9 steps (the budget's ~35 steps sweep it once)",
+    },
+    "dancegrpo": {
+        "overrides": [
+            *ALGORITHMS["flow_grpo"]["overrides"],
+            *COMMON_V2,
+            *FGRPO_V2,
+            "sampler.sampler=dance_sde",
+            "sampler.noise_level=0.3",
+        ],
+        "why": "DanceGRPO's SDE kernel (eta 0.3, its published value) in flow_grpo's window-2 recipe: the kernel changed and nothing else",
+    },
+    "awm_fast": {
+        "overrides": [*ALGORITHMS["awm"]["overrides"]],
+        "why": "AWM's best recipe by the curves' rule at ~44k FE (the first comparison's: CFG-4 ODE rollouts, 1 uniform level, 8 x 8 images, 2 mini-batches, lr 3e-4): the fastest riser, which fell on 2 of 3 seeds by 133k FE (the curves, part 4 (b))",
+    },
+}
+"""v2's recipes (on top of `TASK` and `JUDGE_V2`): each learner at the recipe the curves found best
+for it (benchmarks/README.md, the curves, parts 1-4), MixGRPO's and DanceGRPO's sampling on
+flow_grpo's, and AWM's fast recipe. The EMA weights are not judged (``ema.enabled`` is off): it
+changes no update, and judging them doubled the evaluations' cost in the curves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    recipes: dict[str, dict[str, Any]]
+    budget_fe: float
+    evaluations: int
+    judge: tuple[str, ...] = ()
+    """Overrides after each recipe's: the evaluation every recipe of the regime is judged by."""
+
+
+REGIMES = {
+    "v1": Regime(ALGORITHMS, BUDGET_FE, QUARTERS),
+    "v2": Regime(RECIPES, 132480, 6, tuple(JUDGE_V2)),
+}
+"""``--regime``: v2 the default (issues 44-45), v1 the first comparison's (issue 27)."""
+DEFAULT_REGIME = "v2"
 TARGET_GAIN = 0.04
 """The target: held-out exact >= this run's seed's base + TARGET_GAIN at an evaluation."""
-THRESHOLDS = (0.02, 0.04, 0.06, 0.08)
+THRESHOLDS = (0.02, 0.04, 0.06, 0.08, 0.10)
 """Gains over the base for the sensitivity table."""
 
 
-def run_config(name: str, seed: int, run_dir: str, extra: list[str]):
+def run_config(name: str, seed: int, run_dir: str, extra: list[str], regime: str = DEFAULT_REGIME):
+    """Recipe ``name`` of ``regime`` for ``seed``, with ``extra`` overrides last."""
+    r = REGIMES[regime]
     overrides = [
         *TASK,
-        *ALGORITHMS[name]["overrides"],
+        *r.recipes[name]["overrides"],
+        *r.judge,
         *extra,
         "logging.progress=false",
         "logging.sample_every=0",
@@ -134,6 +257,17 @@ class _Done(Exception):
     pass
 
 
+def _judge(trainer: Trainer) -> dict[str, Any]:
+    """What a held-out evaluation depends on besides the weights: its captions, steps, CFG and seed."""
+    e = trainer.evaluator
+    return {
+        "prompts": len(e.records),
+        "num_steps": e.eval_config.num_steps,
+        "guidance_scale": e.guidance_scale,
+        "seed": e.seed,
+    }
+
+
 def _evaluation(trainer: Trainer, step: int) -> list[float]:
     """Each held-out caption's gold score at this point (the evaluation is deterministic for a seed)."""
     return [float(p["gold"]) for p in trainer.evaluator.evaluate(step=step).prompts]
@@ -147,19 +281,30 @@ def run_one(
     extra: list[str],
     base_file: Path,
     points: int = QUARTERS,
+    regime: str = DEFAULT_REGIME,
 ) -> dict:
     """One run to the budget with ``points`` evaluations (at each k/points of it); the base evaluation
     of its seed is read from ``base_file`` or made (LoRA off, before any update) and written there."""
-    trainer = Trainer(run_config(name, seed, run_dir, extra))
+    trainer = Trainer(run_config(name, seed, run_dir, extra, regime))
     try:
+        judge = _judge(trainer)
         if base_file.is_file():
-            base = json.loads(base_file.read_text())["gold"]
+            saved = json.loads(base_file.read_text())
+            base = saved["gold"]
+            # a base judged otherwise (another caption count, steps or CFG) pairs with nothing here;
+            # the first files kept no judge: their caption count is what they can be checked by
+            if saved.get("judge", judge) != judge or len(base) != judge["prompts"]:
+                raise SystemExit(
+                    f"{base_file} is another judge's base ({saved.get('judge', {'prompts': len(base)})}, "
+                    f"this run's {judge}): give another --results folder"
+                )
         else:
             t0 = time.perf_counter()
             with adapters_disabled(trainer.transformer):
                 base = _evaluation(trainer, 0)
             atomic_write_text(
-                base_file, json.dumps({"seed": seed, "gold": base, "eval_s": time.perf_counter() - t0})
+                base_file,
+                json.dumps({"seed": seed, "gold": base, "eval_s": time.perf_counter() - t0, "judge": judge}),
             )
         marks = [budget_fe * (k + 1) / points for k in range(points)]
         evaluations: list[dict[str, Any]] = []
@@ -222,10 +367,22 @@ def first_reaching(run: dict[str, Any], gain: float) -> dict[str, Any] | None:
     return next((e for e in run["evaluations"] if e["gain"] >= gain), None)
 
 
+def median_fe(values: list[float | None]) -> float | None:
+    """The median FE to a target over seeds, a run that never reached it counting as beyond the
+    budget (larger than any that did); None when the median run did not reach it."""
+    ranked = sorted(math.inf if v is None else v for v in values)
+    if not ranked:
+        return None
+    n = len(ranked)
+    middle = ranked[n // 2] if n % 2 else (ranked[n // 2 - 1] + ranked[n // 2]) / 2
+    return None if math.isinf(middle) else middle
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     hits = [first_reaching(r, TARGET_GAIN) for r in runs]
     return {
         "fe_to_target": [None if h is None else h["cum_fe"] for h in hits],
+        "median_fe_to_target": median_fe([None if h is None else h["cum_fe"] for h in hits]),
         "wall_to_target_s": [None if h is None else h["cum_time_s"] for h in hits],
         "base": [r["base"] for r in runs],
         "final_gold": [r["evaluations"][-1]["gold"] for r in runs],
@@ -280,20 +437,37 @@ def print_table(summary: dict[str, dict[str, Any]], seeds: int, ratio_interval, 
                 mean_interval(s["final_gain"]),
                 f"{s['fe_per_image_per_step']:.1f}",
                 ratio,
+                "-" if s["median_fe_to_target"] is None else f"{s['median_fe_to_target']:.0f}",
             )
         )
     header = (
         "algorithm",
         f"reached +{TARGET_GAIN:g}",
-        "FE to target",
+        "FE to target (runs that reached it)",
         "wall s to target",
         "base exact",
         "final exact",
         "final gain (95% interval)",
         "FE/image/step",
         "FE ratio vs flow_grpo (95% interval)",
+        "median FE to target (all runs)",
     )
     print(table(rows, header))
+    reference = summary.get("flow_grpo", {}).get("final_gain")
+    rows = []
+    ranked = sorted(summary, key=lambda n: -statistics.fmean(summary[n]["final_gain"]))
+    for rank, name in enumerate(ranked, start=1):
+        s = summary[name]
+        cells = [str(rank), name, mean_interval(s["final_gain"])]
+        if reference is not None and name != "flow_grpo" and len(reference) == len(s["final_gain"]):
+            # paired by seed: every recipe runs the same seeds in the same order
+            differences = [a - b for a, b in zip(s["final_gain"], reference, strict=True)]
+            s["final_gain_minus_flow_grpo"] = differences
+            cells.append(mean_interval(differences))
+        else:
+            cells.append("-")
+        rows.append(tuple(cells))
+    print(table(rows, ("rank", "algorithm", "final gain (95% t interval)", "minus flow_grpo's, same seeds")))
     rows = []
     for name, s in summary.items():
         cells = []
@@ -362,10 +536,18 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     print(f"plot written to {path}")
 
 
-def same_settings(saved: Any, now: Any, base: Any = None) -> bool:
+WARN_ONLY = {("config", "rollout", "logprob_diff_warn")}
+"""Settings that only decide a warning (with the preflight off, as in every run here): a run file
+written before their default changed is the same run."""
+
+
+def same_settings(saved: Any, now: Any, base: Any = None, path: tuple[str, ...] = ()) -> bool:
     """Whether a run file's settings are these. A config key added since the file was written (absent
     from it) counts as the same when it has the value of the demo's config: the run could not have set
-    it, and that value leaves the run as it was (e.g. ``rollout.pipeline: off``)."""
+    it, and that value leaves the run as it was (e.g. ``rollout.pipeline: off``). `WARN_ONLY` keys
+    are not compared."""
+    if path in WARN_ONLY:
+        return True
     if base is None:
         base = {"config": config_to_dict(scenes_task_config())}
     if isinstance(saved, dict) and isinstance(now, dict):
@@ -373,10 +555,12 @@ def same_settings(saved: Any, now: Any, base: Any = None) -> bool:
             return False
         for key, value in now.items():
             sub = base.get(key) if isinstance(base, dict) else None
+            if (*path, key) in WARN_ONLY:
+                continue
             if key not in saved:
                 if value != sub:
                     return False
-            elif not same_settings(saved[key], value, sub):
+            elif not same_settings(saved[key], value, sub, (*path, key)):
                 return False
         return True
     return saved == now
@@ -386,8 +570,9 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     """``algorithms.py --task scenes``: ``args`` are algorithms.py's (seeds, first_seed, out, json,
     quick, results), ``extra`` the ``--set`` overrides by learner."""
     names = list(extra)
+    regime = args.regime
     budget = args.budget_fe
-    points = getattr(args, "evaluations", None) or QUARTERS
+    points = args.evaluations
     results = Path(args.results).expanduser()
     results.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -396,7 +581,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
         runs[name] = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             settings = {
-                "config": config_to_dict(run_config(name, seed, "runs", extra[name])),
+                "config": config_to_dict(run_config(name, seed, "runs", extra[name], regime)),
                 "budget_fe": budget,
                 "quarters": points,  # the number of evaluations (the key of the first run files)
             }
@@ -413,7 +598,14 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
             else:
                 with tempfile.TemporaryDirectory() as tmp:  # the trainer's run folder: not kept...
                     run = run_one(
-                        name, seed, tmp, budget, extra[name], results / f"base_s{seed}.json", points
+                        name,
+                        seed,
+                        tmp,
+                        budget,
+                        extra[name],
+                        results / f"base_s{seed}.json",
+                        points,
+                        regime,
                     )
                     # ... but its per-step instruments (clip fraction, KL, grad norm, zero-std share)
                     metrics = Path(tmp) / f"{name}_s{seed}" / "metrics.jsonl"
@@ -440,7 +632,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     total = time.perf_counter() - t0
     summary = {name: summarise(group) for name, group in runs.items()}
     print()
-    evaluation = run_config(names[0], args.first_seed, "runs", extra[names[0]]).eval
+    evaluation = run_config(names[0], args.first_seed, "runs", extra[names[0]], regime).eval
     print(
         f"target: held-out scene_exact >= base + {TARGET_GAIN:g} at an evaluation ({evaluation.num_prompts} "
         f"captions, ODE {evaluation.num_steps} steps, CFG 4; at each 1/{points} of the budget of {budget:.0f} FE), "
@@ -448,9 +640,10 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     )
     print_table(summary, args.seeds, ratio_interval, mean_std)
     print_curves(runs)
+    recipes = REGIMES[regime].recipes
     for name in names:
-        print(f"  {name}: {' '.join(ALGORITHMS[name]['overrides'] + extra[name])}")
-        print(f"    ({ALGORITHMS[name]['why']})")
+        print(f"  {name}: {' '.join(recipes[name]['overrides'] + list(REGIMES[regime].judge) + extra[name])}")
+        print(f"    ({recipes[name]['why']})")
     print(f"total wall time {total:.0f} s (runs loaded from {results} take none)")
     plot(runs, Path(args.out) / "algorithms_scenes.png")
     write_json(
@@ -468,7 +661,10 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
             },
             "algorithms": summary,
             "task_overrides": TASK,
-            "settings": {n: {**ALGORITHMS[n], "extra": extra[n]} for n in names},
+            "regime": regime,
+            "settings": {
+                n: {**recipes[n], "judge": list(REGIMES[regime].judge), "extra": extra[n]} for n in names
+            },
             "runs": runs,
             "total_wall_s": total,
             "environment": environment(),
