@@ -57,14 +57,18 @@ def test_nft_old_policy_lags_rolls_out_and_resumes_bitwise(tiny_checkpoint, tmp_
     ]
     straight = Trainer(make(tiny_checkpoint, tmp_path / "a", *nft))
     straight.train()
-    learner = straight.learner
-    assert not learner.old_is_current and learner.last_old_decay == pytest.approx(0.5)
+    learner, nft_state = straight.learner, straight.learner.algorithm
+    assert not nft_state.old_is_current and nft_state.last_old_decay == pytest.approx(0.5)
     # Rollouts see the old policy: the module holds it inside sampling_policy() and gets its own back.
     current = [local_tensor(p.detach()).clone() for p in learner.params]
     with learner.sampling_policy():
-        assert all(torch.equal(p.detach(), o) for p, o in zip(learner.params, learner.old))
+        assert all(torch.equal(p.detach(), o) for p, o in zip(learner.params, nft_state.old))
     assert all(torch.equal(p.detach(), c) for p, c in zip(learner.params, current))
-    assert not all(torch.equal(o, c) for o, c in zip(learner.old, current))
+    assert not all(torch.equal(o, c) for o, c in zip(nft_state.old, current))
+    # an engine with its own copy of the weights gets the old policy too, by file key
+    sent = learner.rollout_weights()
+    assert all(torch.equal(sent[k], v) for k, v in nft_state.old_state().items())
+    assert not all(torch.equal(sent[k], v) for k, v in learner.full_lora().items())
 
     first = Trainer(make(tiny_checkpoint, tmp_path / "b", *nft[:-1], "total_steps=2"))
     first.train()

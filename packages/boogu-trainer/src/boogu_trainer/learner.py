@@ -31,7 +31,7 @@ from boogu_adapters.lora import (
     lora_state_dict,
 )
 from boogu_adapters.recompute import TransitionRecompute
-from boogu_trainer.algorithms import Algorithm, DiffusionNFT, Policy, UpdateResult, build_algorithm
+from boogu_trainer.algorithms import Algorithm, Policy, UpdateResult, build_algorithm
 from boogu_trainer.algorithms.base import PhaseCounter, micro_batches
 from boogu_trainer.config import AlgorithmConfig, EmaConfig, OptimConfig
 from boogu_trainer.distributed import (
@@ -112,32 +112,15 @@ class Learner:
     def count_as(self, counter: PhaseCounter) -> None:
         self.policy.count_as = counter
 
-    # ---- DiffusionNFT's old policy (`DiffusionNFT`) -------------------------------------------------
-    @property
-    def _nft(self) -> DiffusionNFT | None:
-        return self.algorithm if isinstance(self.algorithm, DiffusionNFT) else None
-
-    @property
-    def old(self) -> list[torch.Tensor] | None:
-        """DiffusionNFT's old (sampling) policy, one tensor per LoRA parameter; None for the others."""
-        return None if self._nft is None else self._nft.old
-
-    @property
-    def old_is_current(self) -> bool:
-        """The rollout policy is the current one (always, but for a lagging NFT old policy)."""
-        return True if self._nft is None else self._nft.old_is_current
-
-    @property
-    def last_old_decay(self) -> float:
-        return 0.0 if self._nft is None else self._nft.last_old_decay
-
-    def old_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole old policy by LoRA file key (a collective under FSDP), or None."""
-        return None if self._nft is None else self._nft.old_state()
-
+    # ---- the policy the rollouts sample (the algorithm's: DiffusionNFT's old policy while it lags) ----
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
-        """The module holds the rollout policy's weights inside the block: NFT's old policy when it lags."""
+        """The module holds the rollout policy's weights inside the block (`Algorithm.sampling_policy`)."""
         return self.algorithm.sampling_policy()
+
+    def rollout_weights(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The rollout policy's whole LoRA by file key, for an engine with its own copy (a collective
+        under FSDP); ``full``: the current LoRA, already gathered (`Algorithm.rollout_weights`)."""
+        return self.algorithm.rollout_weights(lambda: self.full_lora() if full is None else full)
 
     # ---- the update --------------------------------------------------------------------------------
     def update(self, batch: ScoredBatch, step: int = 0) -> UpdateResult:

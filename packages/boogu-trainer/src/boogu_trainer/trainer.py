@@ -40,6 +40,7 @@ from boogu_adapters.vllm_engine import VllmOmniRolloutEngine
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_trainer import checkpoint as ckpt
+from boogu_trainer.batches import BatchSource, batch_source
 from boogu_trainer.config import (
     ConfigError,
     TrainerConfig,
@@ -61,7 +62,7 @@ from boogu_trainer.models import (
     prepare_policy,
 )
 from boogu_trainer.onpolicy import ON_POLICY_FIX, on_policy_problem
-from boogu_trainer.pipeline import InFlight, RolloutPipeline
+from boogu_trainer.pipeline import InFlight
 from boogu_trainer.plan import check_rollout_fits, rank_text_encoder_placement
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
 from boogu_trainer.rewards import build_rewards
@@ -249,16 +250,23 @@ class Trainer:
             self.transformer, self.dist, self.device, peak_override=config.perf.peak_tflops
         )
         self.learner.count_as = self.step_metrics.forwards.counting
-        self.pipeline: RolloutPipeline | None = None
-        """``rollout.pipeline=one_step``: the batch in flight and the thread that rolls it out."""
-        if config.rollout.pipeline == "one_step":
-            if not self.engine.needs_lora_state:
-                raise ConfigError(
-                    f"rollout.pipeline=one_step: the {type(self.engine).__name__} samples with the module the "
-                    "update changes; pipelining needs an engine with its own copy of the weights "
-                    "(rollout.engine=vllm_omni)"
-                )
-            self.pipeline = RolloutPipeline(self.rollout, self.data, self.dist, self.device)
+        if config.rollout.pipeline == "one_step" and not self.engine.needs_lora_state:
+            raise ConfigError(
+                f"rollout.pipeline=one_step: the {type(self.engine).__name__} samples with the module the "
+                "update changes; pipelining needs an engine with its own copy of the weights "
+                "(rollout.engine=vllm_omni)"
+            )
+        self.batches: BatchSource = batch_source(
+            config.rollout.pipeline,
+            self.rollout,
+            self.data,
+            self.dist,
+            self.device,
+            sampling_policy=self.learner.sampling_policy,
+            engine_version=lambda: self.engine.weights_version,
+            rollout_weights=lambda: self._rollout_lora(None),
+        )
+        """Where each step's batch comes from (``rollout.pipeline``: `boogu_trainer.batches`)."""
         self.metrics: MetricsLogger | None = None
         self._published: tuple[int, dict[str, torch.Tensor] | None] = (0, None)
         """``(version, full LoRA)`` of the last `publish_weights` that gathered it (reused by a
@@ -321,8 +329,8 @@ class Trainer:
             engine = getattr(self, "engine", None)
             if engine is not None and engine is not getattr(self, "local_engine", None):
                 engine.close()  # first: a rollout in flight then ends at once
-            if getattr(self, "pipeline", None) is not None:
-                self.pipeline.close()
+            if getattr(self, "batches", None) is not None:
+                self.batches.close()
         finally:
             self.run_lock.release()  # last: a launched worker writes logs/ until it stops
 
@@ -419,86 +427,35 @@ class Trainer:
         return self.metrics.history
 
     def train_step(self) -> StepResult:
-        """One step: roll out and score, update the policy, publish the new weights, check."""
-        if self.pipeline is not None:
-            return self._pipelined_step(self.pipeline)
-        done, step, rank, meter = self.step, self.step + 1, self.dist.rank, self.step_metrics
-        meter.start()
-        fault_point("step_start", step, rank)
-        self._step_start = self._resume_point()
-        records = self.data.next_batch()
-        lo, hi = self.dist.shard(len(records))
-        with (
-            meter.phase("rollout"),
-            self.dist.collective(f"rollout, step {step}"),
-            self.learner.sampling_policy(),  # DiffusionNFT rolls out with its old policy
-        ):
-            batch = self.rollout.run(records[lo:hi], group_offset=lo, step=done)
-        fault_point("after_rollout", step, rank)
-        with meter.phase("train"), self.dist.collective(f"update, step {step}"):
-            update = self.learner.update(batch, step=done)
-        fault_point("after_update", step, rank)
-        self._check_failures(update)  # a stop keeps the engine (and the EMA) at step k's weights
-        with meter.phase("sync"), self.dist.collective(f"weight sync, step {step}"):
-            self.publish_weights(version=step)
-        metrics = meter.finish(
-            batch, update, self._state_metrics(), remote=self.engine is not self.local_engine
+        """One step: take the batch (`boogu_trainer.batches`: rolled out now, or one step ahead),
+        update the policy, publish the new weights, check."""
+        done, step, rank, meter, source = (
+            self.step,
+            self.step + 1,
+            self.dist.rank,
+            self.step_metrics,
+            self.batches,
         )
-        self._warn_logprob_diff(metrics, step)
-        return StepResult(metrics=metrics, batch=batch)
-
-    def _pipelined_step(self, pipe: RolloutPipeline) -> StepResult:
-        """One ``rollout.pipeline=one_step`` step: train on the batch rolled out during the last step
-        (or now, on the first), and roll out the next one while the update runs (`boogu_trainer.pipeline`)."""
-        done, step, rank, meter = self.step, self.step + 1, self.dist.rank, self.step_metrics
         meter.start()
         start = time.perf_counter()
         fault_point("step_start", step, rank)
-        if pipe.in_flight is None:  # the run's first step (or a resume from a sync checkpoint)
-            if pipe.held is None:
-                pipe.hold(self.engine.weights_version, self._rollout_lora(None))
-            pipe.submit(done)
-        flight = pipe.in_flight
-        assert flight is not None and flight.future is not None and flight.step == done, (flight, done)
+        source.begin(done)
         self._step_start = self._resume_point()
-        waited = time.perf_counter()
-        with meter.phase("rollout_wait"), self.dist.collective(f"rollout, step {step}"):
-            sampled = pipe.wait(flight, on_device=True)  # the next batch waited in host memory
-            waited = time.perf_counter() - waited
-            pipe.check_version(flight, sampled, step)
-            batch = self.rollout.finish(sampled)
+        batch = source.next(done, meter)
         fault_point("after_rollout", step, rank)
-        if step < self.config.total_steps:
-            pipe.submit(step)  # step k+1's rollout, with the weights the engine holds now
-        else:  # recorded for a resume with more steps, not rolled out (docs/pipelining.md)
-            pipe.defer(step)
+        source.before_update(done, self.config.total_steps)
         update_start = time.perf_counter()
         with meter.phase("train"), self.dist.collective(f"update, step {step}"):
             update = self.learner.update(batch, step=done)
         update_span = (update_start, time.perf_counter())
         fault_point("after_update", step, rank)
-        if pipe.in_flight is not None and pipe.in_flight.future is not None:  # none under the sync
-            t0 = time.perf_counter()
-            with meter.phase("rollout_wait"):
-                pipe.wait(pipe.in_flight)
-            waited += time.perf_counter() - t0
+        source.after_update(meter)
         self._check_failures(update)  # a stop keeps the engine (and the EMA) at step k's weights
         with meter.phase("sync"), self.dist.collective(f"weight sync, step {step}"):
             self.publish_weights(version=step)
-        staleness = done - flight.version
-        extra = {
-            **self._state_metrics(),
-            "rollout/weights_version": flight.version,
-            "rollout/staleness": staleness,
-            **pipe.step_times(start, time.perf_counter(), update_span, waited),
-        }
-        metrics = meter.finish(batch, update, extra, remote=True)
-        metrics["time/worker_idle"] = max(0.0, metrics["time/step"] - metrics["time/rollout_busy"])
-        if staleness:  # the ratio against a stale policy: not an on-policy check
-            metrics = {
-                (f"staleness/{k}" if k.startswith("logprob_diff/") or k == "clipfrac_first" else k): v
-                for k, v in metrics.items()
-            }
+        extra = {**self._state_metrics(), **source.step_metrics(done, start, update_span)}
+        metrics = meter.finish(batch, update, extra, remote=self.engine is not self.local_engine)
+        metrics = source.relabel(metrics)
         self._warn_logprob_diff(metrics, step)
         return StepResult(metrics=metrics, batch=batch)
 
@@ -510,8 +467,7 @@ class Trainer:
             "nonfinite_reward_samples": counters["nonfinite_reward_samples"],
             "weights_version": self.engine.weights_version,
         }
-        if self.learner.old is not None:
-            out["nft/old_decay"] = self.learner.last_old_decay
+        out.update(self.learner.algorithm.step_metrics())
         return out
 
     def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
@@ -573,17 +529,14 @@ class Trainer:
     def _sync_engine(self, version: int, sent: dict[str, torch.Tensor] | None) -> None:
         """The engine adopts ``sent`` as ``version``; a pipelined run records what it now samples with."""
         self.engine.sync_weights(version, sent, module=self.transformer)
-        if self.pipeline is not None:
-            self.pipeline.hold(version, sent)
+        self.batches.published(version, sent)
 
     def _rollout_lora(self, full: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         """What an engine with its own copy of the weights rolls out with: the LoRA, or NFT's old
         policy while it lags (an engine sharing the module gets None: `Learner.sampling_policy`)."""
         if not self.engine.needs_lora_state:
             return None
-        if self.learner.old is not None and not self.learner.old_is_current:
-            return self.learner.old_state()
-        return full if full is not None else self.learner.full_lora()
+        return self.learner.rollout_weights(full)
 
     def _full_lora(self) -> dict[str, torch.Tensor]:
         """The whole LoRA as published this step, or gathered now (a collective under FSDP)."""
@@ -697,11 +650,7 @@ class Trainer:
     def _resume_point(self) -> ResumePoint:
         """Where the next step starts from now. With a batch in flight (or deferred) the data position
         before its prompts and the global RNG states before its rewards: a resume rolls it out again."""
-        flight = self.pipeline.in_flight if self.pipeline is not None else None
-        if flight is not None:
-            data, rng = flight.data_state, flight.rng
-        else:
-            data, rng = self.data.state_dict(), ckpt.rng_state(self.device)
+        data, rng, flight = self.batches.resume_point()
         return ResumePoint(data, rng, flight, dict(self.learner.counters), self.nonfinite_streak)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -716,8 +665,7 @@ class Trainer:
         self.gold.load_state_dict(state["gold"])
         self.checkpointer.restore_best(self.gold.best)
         self._published = (0, None)
-        if self.pipeline is not None:  # what the engine holds is recorded again before it rolls out
-            self.pipeline.held = None
+        self.batches.forget_published()  # recorded again before the engine rolls out
         if state["rng"] is None:
             return
         mine = ckpt.rng_state_of_rank(state["rng"], self.dist.rank)
@@ -731,25 +679,6 @@ class Trainer:
             )
         else:
             ckpt.set_rng_state(mine, self.device)
-
-    def _roll_out_again(self, pending: dict[str, Any], folder: Path) -> None:
-        """The batch that was in flight when ``folder`` was saved, rolled out again as it was: the
-        engine gets the weights it was sampled with, the same prompts are drawn (the data position
-        is the one before them) with the same seeds."""
-        if int(pending["step"]) != self.step or pending["lora"] is None:
-            raise ckpt.CheckpointError(
-                f"{folder}: its batch in flight is for step {int(pending['step']) + 1} with "
-                f"{'no' if pending['lora'] is None else 'its'} weights, the checkpoint is of step {self.step}"
-            )
-        assert self.pipeline is not None
-        version = int(pending["version"])
-        if version == 0 and self.engine.weights_version == 0:
-            # Version 0 is the base model, which a fresh engine holds (a worker refuses a sync that is
-            # not newer than what it holds): the batch is sampled as it was, without a sync.
-            self.pipeline.hold(0, pending["lora"])
-        else:
-            self._sync_engine(version, pending["lora"])
-        self.pipeline.wait(self.pipeline.submit(self.step))  # done before the next sync
 
     def save(self, step: int | None = None, at: ResumePoint | None = None) -> Path:
         with self.dist.collective("checkpoint gather"):
@@ -771,8 +700,10 @@ class Trainer:
             raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
         self.learner.apply_optim_config()  # an opted-in change of optim.* takes effect
         pending = state.get("pipeline")
-        if self.pipeline is not None and pending is not None and self.step < self.config.total_steps:
-            self._roll_out_again(pending, folder)  # none when there is no step left to train on it
+        if (
+            pending is not None and self.step < self.config.total_steps
+        ):  # none with no step left to train on it
+            self.batches.roll_out_again(pending, self.step, folder, self._sync_engine)
         # The engine adopts the loaded weights, those of the checkpoint's step. Version 0 (a stop in
         # step 1 writes step 0) is the base, which a fresh engine holds already: a sync would have to
         # be version 1, which step 1 publishes (an engine refuses a version that is not newer).

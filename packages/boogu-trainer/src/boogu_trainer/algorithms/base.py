@@ -126,6 +126,15 @@ class Algorithm(ABC):
         """The module holds the rollout policy's weights inside the block (the current ones here)."""
         yield
 
+    def rollout_weights(self, current: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """What an engine with its own copy of the weights rolls out with, by LoRA file key (a
+        collective under FSDP): the current LoRA here (``current`` gathers it)."""
+        return current()
+
+    def step_metrics(self) -> dict[str, float]:
+        """The algorithm's state after a step's update, for the step's record (none here)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """The algorithm's saved state, merged into `Learner.state_dict` (none here)."""
         return {}

@@ -87,6 +87,13 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         counters["old_lags"] = int(d != 0.0)
         self.last_old_decay = d
 
+    def rollout_weights(self, current):
+        """The old policy while it lags, else the current LoRA."""
+        return current() if self.old_is_current else self.old_state()
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"nft/old_decay": self.last_old_decay}
+
     def old_state(self) -> dict[str, torch.Tensor]:
         """The whole old policy by LoRA file key (a collective under FSDP)."""
         return {
