@@ -681,12 +681,13 @@ def plan_memory(
     if opts is not None:
         levels = opts.timesteps if opts.timesteps is not None else s.num_steps - 1
         latent = int(tcfg.get("in_channels", 16)) * (s.height // 8) * (s.width // 8) * 4
-        if a.name == "diffusion_nft":
-            plan.static["NFT old policy (LoRA copy)"] = lora_params * 4 / shard
-            # worst case: every sample's old velocity at every level, computed before the first step
-            plan.static[f"NFT old velocities ({per_rank} samples x {levels} levels)"] = (
-                per_rank * levels * latent
-            )
+        from boogu_trainer.algorithms import (
+            ALGORITHMS,
+        )  # the learners: only for a plan of a forward-process one
+
+        plan.static.update(
+            ALGORITHMS[a.name].planned_memory(lora_params * 4 / shard, per_rank, levels, latent)
+        )
     rollout_items = config.rollout.micro_batch_size or per_rank
     train_items = train_micro_batch_rows(config, world_size)
 

@@ -85,6 +85,16 @@ class Algorithm(ABC):
     name: ClassVar[str]
     zero_advantage_has_no_gradient: ClassVar[bool] = True
     """A row with ``A = 0`` adds nothing to the gradient without a KL, so one process may skip it."""
+    reads_rollout_logprobs: ClassVar[bool] = False
+    """The loss compares with the rollout's log-probs (a ratio against them), so the first optimizer
+    step must recompute them within the clip (`boogu_trainer.onpolicy`)."""
+
+    @classmethod
+    def planned_memory(cls, lora_bytes: float, rows: int, levels: int, latent_bytes: int) -> dict[str, float]:
+        """Device memory the algorithm holds beyond the update's (``trainer --plan``), by what it is:
+        ``lora_bytes`` one LoRA copy on this rank, ``rows`` this rank's samples per step, ``levels``
+        trained per sample, ``latent_bytes`` one latent. None here."""
+        return {}
 
     def __init__(self, config: AlgorithmConfig, seed: int, policy: Policy):
         self.config = config

@@ -41,6 +41,14 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         """The old policy equals the current one (no lag yet, or ``old_decay_max = 0``)."""
         self.last_old_decay = 0.0
 
+    @classmethod
+    def planned_memory(cls, lora_bytes: float, rows: int, levels: int, latent_bytes: int) -> dict[str, float]:
+        return {
+            "NFT old policy (LoRA copy)": lora_bytes,
+            # worst case: every sample's old velocity at every level, computed before the first step
+            f"NFT old velocities ({rows} samples x {levels} levels)": rows * levels * latent_bytes,
+        }
+
     def own_old_values(self, first: bool) -> bool:
         return first and self.old_is_current
 

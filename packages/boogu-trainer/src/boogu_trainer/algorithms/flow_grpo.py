@@ -32,6 +32,7 @@ class FlowGRPO(Algorithm):
     """PPO-clip (``algorithm.loss=ppo_clip``) or GRPO-Guard (``grpo_guard``) per window step."""
 
     name = "flow_grpo"
+    reads_rollout_logprobs = True
 
     def begin(self, batch: ScoredBatch, step: int) -> None:
         self.logprob_diff: list[torch.Tensor | None] = [None] * batch.trajectory.window_size
