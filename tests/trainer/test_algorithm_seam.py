@@ -25,7 +25,6 @@ PENDING = {
     "config/sections.py": "the options: algorithm.name's Literal, FORWARD_OPTIONS_KEYS (one options class per learner is issue 47, item 4)",
     "config/checks.py": "the 'ignored key' check of flow_grpo-only keys (item 4 derives it from the options)",
     "dryrun.py": "the fake-CUDA dry run's shipped recipe per learner (it leaves the trainer package, item 5)",
-    "preflight.py": "the first step's clip check calls FlowGRPO.objective on the recomputed window steps",
 }
 
 

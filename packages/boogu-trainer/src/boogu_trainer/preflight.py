@@ -49,7 +49,6 @@ from boogu_adapters.lora import is_lora_b
 from boogu_adapters.model import LORA_TARGET_MODULES
 from boogu_adapters.types import RolloutRequest, Trajectory
 from boogu_schedule import WindowPlan, derive_seed
-from boogu_trainer.algorithms import FlowGRPO
 from boogu_trainer.distributed import local_tensor
 from boogu_trainer.evaluation import deterministic_request
 from boogu_trainer.onpolicy import ON_POLICY_FIX, limit_source, logprob_diff_limit, logprob_tolerance
@@ -428,7 +427,8 @@ def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tup
     clipped = torch.zeros((), dtype=torch.float64, device=device)  # the loss's clipped ratios
     rows = torch.arange(traj.batch_size)
     chunks = learner.micro_batches(rows)
-    algorithm = learner.algorithm if isinstance(learner.algorithm, FlowGRPO) else None
+    # a loss with a ratio against the rollout's log-probs: its clip on the recomputed steps
+    algorithm = learner.algorithm if learner.algorithm.reads_rollout_logprobs else None
     try:
         for k in range(traj.window_size):
             for chunk in chunks:

@@ -87,7 +87,9 @@ class Algorithm(ABC):
     """A row with ``A = 0`` adds nothing to the gradient without a KL, so one process may skip it."""
     reads_rollout_logprobs: ClassVar[bool] = False
     """The loss compares with the rollout's log-probs (a ratio against them), so the first optimizer
-    step must recompute them within the clip (`boogu_trainer.onpolicy`)."""
+    step must recompute them within the clip (`boogu_trainer.onpolicy`). Such an algorithm gives
+    ``objective(stats, traj, k, rows, advantages, dt) -> PolicyLoss``, its loss on one recomputed
+    window step, whose ``clipfrac`` the preflight reads."""
 
     @classmethod
     def planned_memory(cls, lora_bytes: float, rows: int, levels: int, latent_bytes: int) -> dict[str, float]:
