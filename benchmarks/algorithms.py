@@ -438,6 +438,13 @@ def main() -> None:
         help="scenes: the recipes, budget and evaluations (v2, the default: 132480 FE, 6 evaluations on "
         "400 captions, each learner's best recipe found; v1: the first comparison's, 44160 FE, 4 on 200)",
     )
+    parser.add_argument(
+        "--keep-checkpoint",
+        action="store_true",
+        help="scenes: keep each new run's trainer checkpoint of its last step as "
+        "RESULTS/<recipe>_s<seed>.checkpoint/ (for gradient_check.py --resume); runs loaded from "
+        "RESULTS are not trained again, so they get none",
+    )
     parser.add_argument("--out", default="/tmp/algbench", help="folder for algorithms.png")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument(
@@ -453,6 +460,8 @@ def main() -> None:
         parser.error("--evaluations: a positive count, with --task scenes only")
     if args.regime is not None and args.task != "scenes":
         parser.error("--regime: with --task scenes only")
+    if args.keep_checkpoint and args.task != "scenes":
+        parser.error("--keep-checkpoint: with --task scenes only")
     if args.task == "scenes":
         import algorithms_scenes
 

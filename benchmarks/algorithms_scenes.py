@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -282,9 +283,12 @@ def run_one(
     base_file: Path,
     points: int = QUARTERS,
     regime: str = DEFAULT_REGIME,
+    keep_checkpoint: Path | None = None,
 ) -> dict:
     """One run to the budget with ``points`` evaluations (at each k/points of it); the base evaluation
-    of its seed is read from ``base_file`` or made (LoRA off, before any update) and written there."""
+    of its seed is read from ``base_file`` or made (LoRA off, before any update) and written there.
+    ``keep_checkpoint``: the trainer's checkpoint of the last step is copied to this folder (the
+    instruments' ``gradient_check.py --resume`` reads it)."""
     trainer = Trainer(run_config(name, seed, run_dir, extra, regime))
     try:
         judge = _judge(trainer)
@@ -348,6 +352,11 @@ def run_one(
             trainer.train(progress=after_step)
         wall = time.perf_counter() - t0
         history = trainer.metrics.history
+        if keep_checkpoint is not None:
+            saved = trainer.save()  # the run's own checkpoint of its last step (its config inside)
+            if keep_checkpoint.exists():
+                shutil.rmtree(keep_checkpoint)
+            shutil.copytree(saved, keep_checkpoint)
     finally:
         trainer.close()
     return {
@@ -606,6 +615,7 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
                         results / f"base_s{seed}.json",
                         points,
                         regime,
+                        results / f"{name}_s{seed}.checkpoint" if args.keep_checkpoint else None,
                     )
                     # ... but its per-step instruments (clip fraction, KL, grad norm, zero-std share)
                     metrics = Path(tmp) / f"{name}_s{seed}" / "metrics.jsonl"

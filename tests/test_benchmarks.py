@@ -442,11 +442,21 @@ def test_algorithms_scenes_quick_and_resumed(tmp_path, monkeypatch, capsys):
     # v2 (the default regime): a recipe by name, its six evaluations, the same seed's base reused
     # (the same judge in --quick); a base judged on other captions is refused by name
     v2 = ["--task", "scenes", "--quick", "--results", str(results), "--out", str(tmp_path)]
-    run_script("algorithms.py", [*v2, "--algorithms", "mixgrpo", "--json", str(out)], monkeypatch)
+    run_script(
+        "algorithms.py",
+        [*v2, "--algorithms", "mixgrpo", "--keep-checkpoint", "--json", str(out)],
+        monkeypatch,
+    )
     figures = json.loads(out.read_text())
     assert figures["regime"] == "v2" and set(figures["algorithms"]) == {"mixgrpo"}
     (run,) = figures["runs"]["mixgrpo"]
     assert len(run["evaluations"]) == 6 and run["base"] == figures_base
+    # --keep-checkpoint: the trainer's own, intact checkpoint of the run's last step, beside its file
+    from boogu_trainer.checkpoint import verify_checkpoint
+
+    kept = results / "mixgrpo_s0.checkpoint"
+    assert verify_checkpoint(kept) is None
+    assert json.loads((kept / "trainer_state.json").read_text())["step"] == len(run["reward"])
     config = json.loads((results / "mixgrpo_s0.json").read_text())["settings"]["config"]
     assert config["sampler"]["window_kind"] == "progressive" and config["eval"]["guidance_scale"] == 4.0
     with pytest.raises(SystemExit, match=r"base_s0\.json is another judge's base"):
