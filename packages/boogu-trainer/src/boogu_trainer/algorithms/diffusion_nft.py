@@ -11,7 +11,7 @@ over the optimizer steps so far. It is saved as ``old_policy.safetensors`` and r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,7 +95,7 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         counters["old_lags"] = int(d != 0.0)
         self.last_old_decay = d
 
-    def rollout_weights(self, current):
+    def rollout_weights(self, current: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The old policy while it lags, else the current LoRA."""
         return current() if self.old_is_current else self.old_state()
 
