@@ -16,7 +16,6 @@ import yaml
 
 import boogu_data.atomic as atomic
 from boogu_trainer.checkpoint import (
-    CheckpointContents,
     Checkpointer,
     CheckpointError,
     check_resume_config,
@@ -35,15 +34,24 @@ def config(tmp_path: Path, *overrides: str):
     return load_config(None, [f"logging.run_dir={tmp_path}", "logging.name=run", *overrides])
 
 
-def contents(value: float, run_id: str, step: int = 1, cfg=None) -> CheckpointContents:
-    return CheckpointContents(
-        lora={"blocks.0.to_q.lora_A.weight": torch.full((2, 3), value)},
-        lora_config={"r": 2},
-        optimizer_tensors={"p::exp_avg": torch.full((2, 3), value / 2)},
-        optimizer_meta={"param_groups": [], "names": ["p"]},
-        trainer_state={"step": step, "run_id": run_id},
-        config_yaml=yaml.safe_dump(config_to_dict(cfg)) if cfg is not None else "{}\n",
-    )
+def contents(value: float, run_id: str, step: int = 1) -> dict:
+    """A trainer state by component, as `Trainer.state_dict` gives it (a minimal one)."""
+    return {
+        "trainer": {"step": step, "nonfinite_streak": 0, "weights_version": step, "world_size": 1},
+        "learner": {
+            "lora": {"blocks.0.to_q.lora_A.weight": torch.full((2, 3), value)},
+            "lora_config": {"r": 2},
+            "optimizer_tensors": {"p::exp_avg": torch.full((2, 3), value / 2)},
+            "optimizer_meta": {"param_groups": [], "names": ["p"]},
+            "ema": None,
+            "counters": {"optimizer_steps": step},
+        },
+        "data": {"cursor": 0},
+        "gold": None,
+        "totals": {},
+        "pipeline": None,
+        "rng": None,
+    }
 
 
 def checkpointer(cfg, run_id: str) -> Checkpointer:
@@ -67,8 +75,10 @@ def test_save_verify_load_round_trip(tmp_path):
     manifest = json.loads((folder / "manifest.json").read_text())
     assert {"adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"} <= set(manifest)
     loaded = load_checkpoint(folder)
-    assert torch.equal(loaded.lora["blocks.0.to_q.lora_A.weight"], torch.full((2, 3), 1.5))
-    assert loaded.trainer_state["run_id"] == "a"
+    assert torch.equal(
+        loaded.state["learner"]["lora"]["blocks.0.to_q.lora_A.weight"], torch.full((2, 3), 1.5)
+    )
+    assert loaded.run_id == "a" and loaded.step == 3
 
 
 def test_a_truncated_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, caplog, capsys):
@@ -124,11 +134,17 @@ def test_resaving_a_step_is_atomic_even_if_killed_between_the_renames(tmp_path, 
     # A later listing puts the old complete checkpoint back: nothing was lost.
     (found,) = checkpoint_folders(cfg.run_path / "checkpoints")
     assert found[0] == 5 and verify_checkpoint(found[1]) is None
-    assert torch.equal(load_checkpoint(found[1]).lora["blocks.0.to_q.lora_A.weight"], torch.full((2, 3), 1.0))
+    assert torch.equal(
+        load_checkpoint(found[1]).state["learner"]["lora"]["blocks.0.to_q.lora_A.weight"],
+        torch.full((2, 3), 1.0),
+    )
     # And an uninterrupted re-save replaces it.
     saver.save(5, contents(3.0, "a", 5))
     (found,) = checkpoint_folders(cfg.run_path / "checkpoints")
-    assert torch.equal(load_checkpoint(found[1]).lora["blocks.0.to_q.lora_A.weight"], torch.full((2, 3), 3.0))
+    assert torch.equal(
+        load_checkpoint(found[1]).state["learner"]["lora"]["blocks.0.to_q.lora_A.weight"],
+        torch.full((2, 3), 3.0),
+    )
 
 
 def test_a_live_writers_staging_folder_is_not_treated_as_stale(tmp_path, monkeypatch):

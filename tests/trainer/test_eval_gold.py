@@ -13,7 +13,6 @@ import yaml
 
 from boogu_data import PromptRecord, write_records
 from boogu_trainer.checkpoint import (
-    CheckpointContents,
     Checkpointer,
     checkpoint_folders,
     load_checkpoint,
@@ -113,14 +112,15 @@ def test_pruning_spares_the_best_and_a_resume_restores_the_pointer(tmp_path):
     c = Checkpointer(cfg, DistEnv())
 
     def contents(step):
-        return CheckpointContents(
-            lora={"blocks.0.to_q.lora_A.weight": torch.full((2, 3), float(step))},
-            lora_config={"r": 2},
-            optimizer_tensors={"p::exp_avg": torch.zeros(2, 3)},
-            optimizer_meta={"param_groups": [], "names": ["p"]},
-            trainer_state={"step": step, "run_id": c.run_id},
-            config_yaml="{}\n",
-        )
+        return {
+            "learner": {
+                "lora": {"blocks.0.to_q.lora_A.weight": torch.full((2, 3), float(step))},
+                "lora_config": {"r": 2},
+                "optimizer_tensors": {"p::exp_avg": torch.zeros(2, 3)},
+                "optimizer_meta": {"param_groups": [], "names": ["p"]},
+            },
+            "trainer": {"step": step},
+        }
 
     c.mark_best(1, 0.7, c.save(1, contents(1)))
     c.save(2, contents(2))
@@ -185,8 +185,8 @@ def test_keep_best_follows_the_gold_score(tiny_checkpoint, tmp_path):
     assert [s for s, _ in checkpoint_folders(run / "checkpoints")] == [2, 4]  # keep_last=1 + the best
     best = json.loads((run / "checkpoints" / "best.json").read_text())
     assert best == {"step": 2, "gold": 0.5, "folder": "step_000002"}
-    assert load_checkpoint(run / "checkpoints" / "step_000002").trainer_state["gold"]["best"]["step"] == 2
-    assert load_checkpoint(run / "checkpoints" / "step_000004").trainer_state["gold"]["best"]["gold"] == 0.5
+    assert load_checkpoint(run / "checkpoints" / "step_000002").state["gold"]["best"]["step"] == 2
+    assert load_checkpoint(run / "checkpoints" / "step_000004").state["gold"]["best"]["gold"] == 0.5
 
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/gold"] for r in lines] == pytest.approx(gold)
@@ -244,7 +244,7 @@ def test_a_forced_divergence_warns_or_stops_with_a_checkpoint(tiny_checkpoint, t
     steps = [s for s, _ in checkpoint_folders(trainer.run_dir / "checkpoints")]
     assert steps == ([3] if action == "stop" else [4])
     if action == "stop":
-        state = load_checkpoint(trainer.run_dir / "checkpoints" / "step_000003").trainer_state["gold"]
+        state = load_checkpoint(trainer.run_dir / "checkpoints" / "step_000003").state["gold"]
         assert state["streak"] == 2 and [e["gold"] for e in state["evals"]] == pytest.approx([0.9, 0.8, 0.7])
         cfg2 = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
         assert cfg2["eval"]["divergence_action"] == "stop"

@@ -108,11 +108,11 @@ def test_the_lora_changed_and_the_checkpoint_holds_it(finished_run):
     trainer, _, run = finished_run
     saved = load_checkpoint(run / "checkpoints" / "step_000003")
     current = lora_of(trainer)
-    assert set(saved.lora) == set(current)
+    assert set(saved.state["learner"]["lora"]) == set(current)
     for k, v in current.items():
-        assert torch.equal(saved.lora[k], v)
+        assert torch.equal(saved.state["learner"]["lora"][k], v)
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in current.items())
-    assert saved.trainer_state["step"] == 3
+    assert saved.step == 3 and saved.state["trainer"]["step"] == 3
 
 
 def test_checkpoint_lora_loads_with_peft_and_diffusers(finished_run, tiny_checkpoint):
@@ -199,7 +199,9 @@ def test_ema_follows_the_lora_and_is_checkpointed(tiny_checkpoint, tmp_path):
     for k in final:
         torch.testing.assert_close(trainer.learner.ema[k], 0.5 * initial[k] + 0.5 * final[k])
     saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_000001")
-    assert saved.ema is not None and all(torch.equal(saved.ema[k], trainer.learner.ema[k]) for k in final)
+    assert saved.state["learner"]["ema"] is not None and all(
+        torch.equal(saved.state["learner"]["ema"][k], trainer.learner.ema[k]) for k in final
+    )
     # An evaluation judges the EMA weights (ema.evaluate, the default), and the trained ones are put
     # back bitwise after it; the EMA differs from them here (decay 0.5 over one update).
     seen = []
@@ -256,7 +258,7 @@ def test_resume_with_a_changed_lr_is_refused_unless_opted_in(finished_run, tiny_
     assert (
         "lr: 0.0005" in saved.config_yaml and "lr: 0.0005" in (tmp_path / "run" / "config.yaml").read_text()
     )
-    assert saved.optimizer_meta["param_groups"][0]["lr"] == 5e-4
+    assert saved.state["learner"]["optimizer_meta"]["param_groups"][0]["lr"] == 5e-4
 
 
 def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoint, tmp_path):
@@ -272,8 +274,8 @@ def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoi
     assert all(torch.equal(after[k], before[k]) for k in before)  # the bad update was undone
     ((step, folder),) = checkpoint_folders(tmp_path / "run" / "checkpoints")
     saved = load_checkpoint(folder)
-    assert step == 0 and all(torch.isfinite(v).all() for v in saved.lora.values())
-    assert all(torch.equal(saved.lora[k], before[k]) for k in before)
+    assert step == 0 and all(torch.isfinite(v).all() for v in saved.state["learner"]["lora"].values())
+    assert all(torch.equal(saved.state["learner"]["lora"][k], before[k]) for k in before)
 
 
 @pytest.mark.parametrize("broken_step", [1, 2])
@@ -308,8 +310,7 @@ def test_a_nonfinite_stop_without_a_committed_checkpoint_writes_that_step_and_re
     stopped.close()
     ((step, folder),) = checkpoint_folders(tmp_path / "stopped" / "run" / "checkpoints")
     assert step == broken_step - 1 and str(folder) in str(error.value)
-    state = json.loads((folder / "trainer_state.json").read_text())
-    assert state["weights_version"] == step
+    assert load_checkpoint(folder).state["trainer"]["weights_version"] == step
     monkeypatch.setattr(reward_fakes, "NAN_FROM_CALL", None)
     resumed = Trainer(small_config(tiny_checkpoint, tmp_path / "stopped", breaking, *common, "resume=auto"))
     try:

@@ -9,7 +9,6 @@ LoRA at each sync and samples on the rollout thread while the update changes the
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.lora import lora_state_dict
-from boogu_trainer.checkpoint import ROLLOUT_POLICY, checkpoint_folders
+from boogu_trainer.checkpoint import ROLLOUT_POLICY, checkpoint_folders, load_checkpoint
 from boogu_trainer.config import ConfigError
 from boogu_trainer.models import load_base_parts, prepare_policy
 from boogu_trainer.trainer import Trainer, TrainingStopped
@@ -108,10 +107,12 @@ def test_checkpoints_keep_the_batch_in_flight(straight):
     # Steps 1 and 2 had the next batch in flight, sampled with versions 0 and 1; step 3, the last,
     # records the batch a step 4 would train on (version 2) without rolling it out.
     assert all((folders[s] / ROLLOUT_POLICY).is_file() for s in (1, 2, 3))
-    states = {s: json.loads((f / "trainer_state.json").read_text()) for s, f in folders.items()}
-    assert states[1]["pipeline"] == {"step": 1, "version": 0}
-    assert states[2]["pipeline"] == {"step": 2, "version": 1}
-    assert states[3]["pipeline"] == {"step": 3, "version": 2}
+    states = {s: load_checkpoint(f).state for s, f in folders.items()}
+    assert [(states[s]["pipeline"]["step"], states[s]["pipeline"]["version"]) for s in (1, 2, 3)] == [
+        (1, 0),
+        (2, 1),
+        (3, 2),
+    ]
     # The data position is the one before the batch in flight: what a sync run has after its step.
     assert states[1]["data"] != states[2]["data"]
 
@@ -209,9 +210,9 @@ def test_a_nonfinite_stop_without_a_committed_checkpoint_resumes_like_a_straight
         run(tiny_checkpoint, tmp_path, *broken)
     ((step, folder),) = checkpoint_folders(tmp_path / "run" / "checkpoints")
     assert step == broken_step - 1 and str(folder) in str(stopped.value)
-    state = json.loads((folder / "trainer_state.json").read_text())
-    assert state["weights_version"] == step
-    assert state["pipeline"] == {"step": step, "version": max(step - 1, 0)}
+    state = load_checkpoint(folder).state
+    assert state["trainer"]["weights_version"] == step
+    assert (state["pipeline"]["step"], state["pipeline"]["version"]) == (step, max(step - 1, 0))
     monkeypatch.setattr(reward_fakes, "NAN_FROM_CALL", None)
     trainer = OwnCopyTrainer(config(tiny_checkpoint, tmp_path, "resume=auto", *broken))
     try:

@@ -17,9 +17,19 @@ Layout of ``checkpoints/step_000030/``:
   ``trainer_state.json``'s ``pipeline`` says its step and version (a resume rolls it out again).
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments and hyper-parameters, by parameter name.
 * ``rng.safetensors``: each rank's global RNG states (torch CPU and CUDA, numpy, ``random``).
-* ``trainer_state.json``: step, run id, data position, counters.
+* ``<component>.<key>.safetensors``: any other dict of tensors in the state (a new algorithm's own
+  tensors, say): no code here names it.
+* ``trainer_state.json``: ``{"format": 2, "step", "run_id", "state"}``, ``state`` being the trainer's
+  state by component (`Trainer.state_dict`: ``trainer``, ``learner``, ``data``, ``gold``, ``totals``,
+  ``pipeline``, ``rng``) with each part that lives in a file above replaced by
+  ``{"$tensors": file, "peft": bool}`` or ``{"$json": file}``.
 * ``config.yaml``: the resolved config.
 * ``manifest.json``: size and SHA-256 of every file above; ``COMPLETE`` is written last.
+
+State by one rule: `write_checkpoint` walks the state and `load_checkpoint` walks it back; the
+only names here are the files other tools read (`NAMED_FILES`). The flat ``trainer_state.json`` of
+v0.2 and v0.3 (no ``format``) is read through a rename table (`RENAMED`, `FLAT_DEFAULTS`), tested
+with a committed checkpoint of each (``tests/trainer/data/checkpoints/``).
 
 Nothing is ever unpickled: tensors are safetensors, everything else JSON or YAML. A folder is built
 under a temporary name and committed with one rename (`boogu_data.atomic.commit_folder`), so a
@@ -102,84 +112,145 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+FORMAT = 2
+"""``trainer_state.json``'s ``"format"``: 2 holds the state by component (`write_checkpoint`). A file
+without it is the flat layout of v0.2 and v0.3, read through `RENAMED`."""
+
+NAMED_FILES: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("learner", "lora"): ("adapter_model.safetensors", True),
+    ("learner", "lora_config"): ("adapter_config.json", False),
+    ("learner", "ema"): ("ema.safetensors", True),
+    ("learner", "old"): ("old_policy.safetensors", True),
+    ("learner", "optimizer_tensors"): ("optimizer.safetensors", False),
+    ("learner", "optimizer_meta"): ("optimizer.json", False),
+    ("pipeline", "lora"): (ROLLOUT_POLICY, True),
+    ("rng",): ("rng.safetensors", False),
+}
+"""The parts of the state whose files keep their v0.3 names, by path in the state: (file, whether its
+tensor keys carry peft's prefix). peft reads ``adapter_model.safetensors`` + ``adapter_config.json``,
+``boogu-sample --ema`` the EMA, and the golden runs hash the tensor files by name. Any other part is
+placed by the rule (`write_checkpoint`): a new component's state needs no line here."""
+
+RENAMED: dict[str, tuple[str, ...]] = {
+    "step": ("trainer", "step"),
+    "nonfinite_streak": ("trainer", "nonfinite_streak"),
+    "weights_version": ("trainer", "weights_version"),
+    "world_size": ("trainer", "world_size"),
+    "counters": ("learner", "counters"),
+    "data": ("data",),
+    "gold": ("gold",),
+    "totals": ("totals",),
+    "pipeline": ("pipeline",),
+}
+"""The flat ``trainer_state.json`` of v0.2 and v0.3: its key -> the path in the state. (``run_id`` is
+the checkpoint's own, as now.) Its tensor and JSON files are `NAMED_FILES`."""
+
+FLAT_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("trainer", "world_size"): None,
+    ("learner", "ema"): None,
+    ("gold",): None,
+    ("totals",): {},
+    ("pipeline",): None,
+}
+"""What a flat checkpoint that lacks a part means: v0.2 wrote no world size, totals or batch in flight,
+and no EMA or gold state when they were off."""
+
+_TENSORS, _JSON = "$tensors", "$json"
+"""The markers in ``trainer_state.json`` for a part that lives in a file of its own."""
+
+
 @dataclass(frozen=True)
-class CheckpointContents:
-    lora: dict[str, torch.Tensor]
-    """LoRA tensors keyed by file key (no peft prefix)."""
-    lora_config: dict[str, Any]
-    """peft LoraConfig as a dict (written as adapter_config.json)."""
-    optimizer_tensors: dict[str, torch.Tensor]
-    optimizer_meta: dict[str, Any]
-    trainer_state: dict[str, Any]
-    """step, run_id, data position, counters (JSON)."""
+class SavedCheckpoint:
+    """What `load_checkpoint` reads: the trainer's state by component (`Trainer.state_dict`, tensors on
+    the CPU) and the checkpoint's own record."""
+
+    step: int
+    run_id: str | None
+    state: dict[str, Any]
     config_yaml: str
-    ema: dict[str, torch.Tensor] | None = None
-    rng: dict[str, torch.Tensor] | None = None
-    old: dict[str, torch.Tensor] | None = None
-    """DiffusionNFT's old policy (file keys), or None."""
-    rollout: dict[str, torch.Tensor] | None = None
-    """The weights a pipelined run's batch in flight was sampled with (file keys), or None."""
 
 
-def contents_of(
-    state: Mapping[str, Any], *, run_id: str, world_size: int, config: TrainerConfig
-) -> CheckpointContents:
-    """A checkpoint's files from the trainer's state by component (`Trainer.state_dict`).
-
-    The file layout is the v0.2 one, so older checkpoints load: the learner's tensors in their own
-    safetensors files, the small components' state in ``trainer_state.json``.
-    """
-    learner, own, pending = state["learner"], state["trainer"], state.get("pipeline")
-    return CheckpointContents(
-        lora=learner["lora"],
-        lora_config=learner["lora_config"],
-        optimizer_tensors=learner["optimizer_tensors"],
-        optimizer_meta=learner["optimizer_meta"],
-        trainer_state={
-            "step": own["step"],
-            "run_id": run_id,
-            "world_size": world_size,
-            "data": state["data"],
-            "nonfinite_streak": own["nonfinite_streak"],
-            "counters": learner["counters"],
-            "weights_version": own["weights_version"],
-            "gold": state["gold"],
-            "totals": state["totals"],
-            **({"pipeline": {"step": pending["step"], "version": pending["version"]}} if pending else {}),
-        },
-        config_yaml=config_to_yaml(config),
-        ema=learner["ema"],
-        rng=state["rng"],
-        old=learner["old"],
-        rollout=pending["lora"] if pending else None,
+def _is_tensors(value: Any) -> bool:
+    return (
+        isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
     )
 
 
-def state_of(contents: CheckpointContents) -> dict[str, Any]:
-    """The trainer's state by component from a checkpoint's files (the inverse of `contents_of`)."""
-    saved = contents.trainer_state
-    return {
-        "trainer": {
-            "step": int(saved["step"]),
-            "nonfinite_streak": int(saved["nonfinite_streak"]),
-            "weights_version": int(saved["weights_version"]),
-            "world_size": saved.get("world_size"),
-        },
-        "learner": {
-            "lora": contents.lora,
-            "lora_config": contents.lora_config,
-            "optimizer_tensors": contents.optimizer_tensors,
-            "optimizer_meta": contents.optimizer_meta,
-            "ema": contents.ema,
-            "old": contents.old,
-            "counters": saved["counters"],
-        },
-        "data": saved["data"],
-        "gold": saved.get("gold"),
-        "totals": saved.get("totals", {}),
-        "rng": contents.rng,
-        "pipeline": {**saved["pipeline"], "lora": contents.rollout} if "pipeline" in saved else None,
-    }
+def _lay_out(value: Any, path: tuple[str, ...], folder: Path) -> Any:
+    """``value`` (a part of the state at ``path``) as ``trainer_state.json`` holds it, its tensors
+    written into ``folder``: a part named in `NAMED_FILES` to its file, any other non-empty dict of
+    tensors to ``<path joined by dots>.safetensors``, the rest inline (JSON)."""
+    where = ".".join(path) or "the state"
+    if path in NAMED_FILES and value is not None:
+        name, peft = NAMED_FILES[path]
+        if name.endswith(".json"):
+            (folder / name).write_text(json.dumps(value, indent=2, sort_keys=True))
+            return {_JSON: name}
+        tensors = {k: v.contiguous() for k, v in value.items()}
+        save_tensors(
+            to_peft_keys(tensors) if peft else tensors,
+            folder / name,
+            metadata={"format": "pt"} if peft else None,
+        )
+        return {_TENSORS: name, "peft": peft}
+    if _is_tensors(value):
+        name = f"{where}.safetensors"
+        save_tensors({k: v.contiguous() for k, v in value.items()}, folder / name)
+        return {_TENSORS: name, "peft": False}
+    if isinstance(value, dict):
+        if any(not isinstance(k, str) or k.startswith("$") for k in value):
+            raise CheckpointError(
+                f"checkpoint state {where}: keys must be strings not starting with '$', got {sorted(map(str, value))}"
+            )
+        return {k: _lay_out(v, (*path, k), folder) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        raise CheckpointError(
+            f"checkpoint state {where}: a tensor outside a dict of tensors (a component's tensors are saved as "
+            "a dict of name -> tensor)"
+        )
+    return value
+
+
+def _read_back(value: Any, folder: Path) -> Any:
+    """The inverse of `_lay_out`: the part as the state holds it, its files read from ``folder``."""
+    if isinstance(value, dict) and _TENSORS in value:
+        tensors = read_tensors(folder / value[_TENSORS])
+        return from_peft_keys(tensors) if value.get("peft") else tensors
+    if isinstance(value, dict) and _JSON in value:
+        return read_json(folder / value[_JSON])
+    if isinstance(value, dict):
+        return {k: _read_back(v, folder) for k, v in value.items()}
+    return value
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _by_component(flat: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """A v0.2/v0.3 ``trainer_state.json`` (flat) as a format-2 one, through `RENAMED`, `NAMED_FILES`
+    (the files present) and `FLAT_DEFAULTS`."""
+    unknown = sorted(set(flat) - set(RENAMED) - {"run_id"})
+    if unknown:
+        raise CheckpointError(
+            f"{folder / 'trainer_state.json'}: keys {unknown} are in no known layout "
+            f"(format {FORMAT} has a 'format' key; v0.2/v0.3 have {sorted(RENAMED)} and run_id)"
+        )
+    state: dict[str, Any] = {}
+    for key, path in RENAMED.items():
+        if key in flat:
+            _put(state, path, flat[key])
+    for path, (name, peft) in NAMED_FILES.items():
+        if (folder / name).is_file():
+            _put(state, path, {_JSON: name} if name.endswith(".json") else {_TENSORS: name, "peft": peft})
+    for path, default in FLAT_DEFAULTS.items():
+        parent = state
+        for key in path[:-1]:
+            parent = parent.setdefault(key, {})
+        parent.setdefault(path[-1], default)
+    return {"format": FORMAT, "step": flat["step"], "run_id": flat.get("run_id"), "state": state}
 
 
 # ---- RNG ------------------------------------------------------------------------------------------
@@ -349,27 +420,26 @@ def save_tensors(
         raise OSError(number, os.strerror(number), str(path)) from error
 
 
-def write_checkpoint(folder: Path, step: int, contents: CheckpointContents) -> None:
-    """Write every file of a checkpoint into ``folder`` (a staging folder), manifest and marker last."""
-    save_tensors(to_peft_keys(contents.lora), folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    save_tensors(
-        diffusers_lora_state(contents.lora, contents.lora_config),
-        folder / DIFFUSERS_LORA_NAME,
-        metadata={"format": "pt"},
-    )
-    (folder / "adapter_config.json").write_text(json.dumps(contents.lora_config, indent=2, sort_keys=True))
-    if contents.ema is not None:
-        save_tensors(to_peft_keys(contents.ema), folder / "ema.safetensors", metadata={"format": "pt"})
-    if contents.old is not None:
-        save_tensors(to_peft_keys(contents.old), folder / "old_policy.safetensors", metadata={"format": "pt"})
-    if contents.rollout is not None:
-        save_tensors(to_peft_keys(contents.rollout), folder / ROLLOUT_POLICY, metadata={"format": "pt"})
-    save_tensors(contents.optimizer_tensors, folder / "optimizer.safetensors")
-    (folder / "optimizer.json").write_text(json.dumps(contents.optimizer_meta, indent=2))
-    rng = contents.rng or rng_state()
-    save_tensors({k: v.contiguous() for k, v in rng.items()}, folder / "rng.safetensors")
-    (folder / "trainer_state.json").write_text(json.dumps(contents.trainer_state, indent=2, sort_keys=True))
-    (folder / "config.yaml").write_text(contents.config_yaml)
+def write_checkpoint(
+    folder: Path, step: int, state: Mapping[str, Any], *, run_id: str, config_yaml: str
+) -> None:
+    """Write the trainer's state by component into ``folder`` (a staging folder), manifest and marker last.
+
+    One rule for every part (`_lay_out`): the parts of `NAMED_FILES` in their files, any other dict of
+    tensors in ``<component>.<key>.safetensors``, everything else in ``trainer_state.json``, which
+    names each file where its part was. Plus, for diffusers, the LoRA in its layout (not read back).
+    """
+    laid_out = _lay_out(dict(state), (), folder)
+    learner = state.get("learner") or {}
+    if "lora" in learner:
+        save_tensors(
+            diffusers_lora_state(learner["lora"], learner["lora_config"]),
+            folder / DIFFUSERS_LORA_NAME,
+            metadata={"format": "pt"},
+        )
+    record = {"format": FORMAT, "step": int(step), "run_id": run_id, "state": laid_out}
+    (folder / "trainer_state.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+    (folder / "config.yaml").write_text(config_yaml)
     manifest = {
         p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(folder.iterdir())
@@ -426,29 +496,26 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is not valid JSON ({error})") from error
 
 
-def load_checkpoint(folder: str | os.PathLike[str]) -> CheckpointContents:
-    """Read a checkpoint folder (verify it first: `verify_checkpoint`)."""
+def load_checkpoint(folder: str | os.PathLike[str]) -> SavedCheckpoint:
+    """Read a checkpoint folder (verify it first: `verify_checkpoint`): this layout, or v0.2/v0.3's."""
     folder = Path(folder)
     if not (folder / COMPLETE).is_file():
         raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker)")
-
-    def tensors(name: str) -> dict[str, torch.Tensor]:
-        return read_tensors(folder / name)
-
-    ema_path = folder / "ema.safetensors"
-    old_path = folder / "old_policy.safetensors"
-    rollout_path = folder / ROLLOUT_POLICY
-    return CheckpointContents(
-        lora=from_peft_keys(tensors("adapter_model.safetensors")),
-        lora_config=read_json(folder / "adapter_config.json"),
-        optimizer_tensors=tensors("optimizer.safetensors"),
-        optimizer_meta=read_json(folder / "optimizer.json"),
-        trainer_state=read_json(folder / "trainer_state.json"),
+    record = read_json(folder / "trainer_state.json")
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{folder / 'trainer_state.json'}: expected a JSON object")
+    if "format" not in record:
+        record = _by_component(record, folder)
+    elif record["format"] != FORMAT:
+        raise CheckpointError(
+            f"{folder / 'trainer_state.json'}: format {record['format']!r}; this version reads format {FORMAT} "
+            "and the flat layout of v0.2/v0.3 (a newer boogu-trainer wrote it?)"
+        )
+    return SavedCheckpoint(
+        step=int(record["step"]),
+        run_id=record.get("run_id"),
+        state=_read_back(record["state"], folder),
         config_yaml=(folder / "config.yaml").read_text(),
-        ema=from_peft_keys(tensors("ema.safetensors")) if ema_path.exists() else None,
-        rng=tensors("rng.safetensors"),
-        old=from_peft_keys(tensors("old_policy.safetensors")) if old_path.exists() else None,
-        rollout=from_peft_keys(tensors(ROLLOUT_POLICY)) if rollout_path.exists() else None,
     )
 
 
@@ -637,15 +704,18 @@ class Checkpointer:
         self.run_id = uuid.uuid4().hex
         """This run's identity; a resume adopts the checkpoint's, so pruning knows its own checkpoints."""
 
-    def save(self, step: int, contents: CheckpointContents) -> Path:
-        """Write ``checkpoints/step_XXXXXX`` atomically on rank 0, then prune; every rank returns its path."""
+    def save(self, step: int, state: Mapping[str, Any]) -> Path:
+        """Write the trainer's state by component (`Trainer.state_dict`) as ``checkpoints/step_XXXXXX``,
+        atomically, on rank 0, then prune; every rank returns its path."""
         final = self.root / step_dir_name(step)
         if not self.dist.is_main:
             return final
         self.root.mkdir(parents=True, exist_ok=True)
         staging = stage_folder(final)
         try:
-            write_checkpoint(staging, step, contents)
+            write_checkpoint(
+                staging, step, state, run_id=self.run_id, config_yaml=config_to_yaml(self.config)
+            )
             fault_point("checkpoint_staged", step, self.dist.rank)
             commit_folder(staging, final)
         except BaseException:
@@ -654,15 +724,6 @@ class Checkpointer:
         fault_point("checkpoint_committed", step, self.dist.rank)
         self.prune(keep=final)
         return final
-
-    def save_state(self, step: int, state: Mapping[str, Any]) -> Path:
-        """`save` the trainer's state by component (`contents_of`)."""
-        contents = contents_of(state, run_id=self.run_id, world_size=self.dist.world_size, config=self.config)
-        return self.save(step, contents)
-
-    def load_state(self, folder: Path) -> dict[str, Any]:
-        """`load` ``folder`` as the trainer's state by component (`state_of`)."""
-        return state_of(self.load(folder))
 
     def committed(self, step: int) -> Path | None:
         """This run's intact checkpoint of ``step``, or None. Decided on rank 0, the same on every rank.
@@ -755,12 +816,12 @@ class Checkpointer:
             raise CheckpointError(f"resume={spec}: {folder} is not an intact checkpoint: {problem}")
         return folder
 
-    def load(self, folder: Path) -> CheckpointContents:
+    def load(self, folder: Path) -> SavedCheckpoint:
         """Read ``folder`` and check that this run's config may continue it (`check_resume_config`)."""
-        contents = load_checkpoint(folder)
-        check_resume_config(contents.config_yaml, self.config, folder)
-        self.run_id = contents.trainer_state.get("run_id") or self.run_id
-        return contents
+        saved = load_checkpoint(folder)
+        check_resume_config(saved.config_yaml, self.config, folder)
+        self.run_id = saved.run_id or self.run_id
+        return saved
 
 
 def check_resume_config(saved_yaml: str, config: TrainerConfig, folder: Path) -> None:

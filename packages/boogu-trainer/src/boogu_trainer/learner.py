@@ -375,7 +375,8 @@ class Learner:
         ``lora``, ``lora_config``: the whole LoRA (float32, file keys; ``lora``: already gathered, or
         gathered now) and its adapter config; ``optimizer_tensors``, ``optimizer_meta``: AdamW's state by
         ``"<parameter name>::<field>"`` (full tensors, also under FSDP2) and its hyper-parameters;
-        ``ema``; ``old``: DiffusionNFT's old policy (file keys) or None; ``counters``.
+        ``ema``; ``counters``; and the algorithm's own parts (`Algorithm.state_dict`: a dict of tensors
+        is saved in a file of its own by the checkpoint's rule).
         """
         tensors: dict[str, torch.Tensor] = {}
         if self.optimizer.state:
@@ -403,7 +404,6 @@ class Learner:
             "optimizer_tensors": tensors,
             "optimizer_meta": {"param_groups": groups, "names": self.param_names},
             "ema": None if self.ema is None else {k: v.cpu() for k, v in self.ema.items()},
-            "old": None,
             "counters": dict(self.counters),
         } | self.algorithm.state_dict()
 

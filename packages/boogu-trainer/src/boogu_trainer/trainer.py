@@ -626,8 +626,8 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self, at: ResumePoint | None = None) -> dict[str, Any]:
-        """The run's state by component: what a checkpoint holds (`ckpt.contents_of` lays it out in
-        files) and what the preflight puts back. Collectives under FSDP (the LoRA and the optimizer
+        """The run's state by component: what a checkpoint holds (`ckpt.write_checkpoint` lays it out in
+        files by one rule) and what the preflight puts back. Collectives under FSDP (the LoRA and the optimizer
         state are gathered; so are the ranks' RNG states). ``at``: where the next step starts from
         (`ResumePoint`; by default as it is now)."""
         point = at if at is not None else self._resume_point()
@@ -638,6 +638,7 @@ class Trainer:
                 "step": self.step,
                 "nonfinite_streak": point.nonfinite_streak,
                 "weights_version": self.engine.weights_version,
+                "world_size": self.dist.world_size,
             },
             "learner": learner,
             "data": point.data,
@@ -683,7 +684,7 @@ class Trainer:
     def save(self, step: int | None = None, at: ResumePoint | None = None) -> Path:
         with self.dist.collective("checkpoint gather"):
             state = self.state_dict(at)
-        return self.checkpointer.save_state(self.step if step is None else step, state)
+        return self.checkpointer.save(self.step if step is None else step, state)
 
     def resume(self, spec: str) -> Path | None:
         """``'auto'``: the newest intact checkpoint of this run (None if there is none); else a path."""
@@ -691,7 +692,7 @@ class Trainer:
         if folder is None:
             return None
         self.lock_run_folder()
-        state = self.checkpointer.load_state(folder)
+        state = self.checkpointer.load(folder).state
         if self.config.resume_allow_changes:
             logger.warning("resume: accepted config changes in %s", list(self.config.resume_allow_changes))
         try:
