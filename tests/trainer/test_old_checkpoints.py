@@ -179,7 +179,9 @@ def test_a_trainer_state_of_an_unknown_layout_is_refused_by_name(tmp_path):
     shutil.copytree(OLD / "v0.3", folder)
     flat = json.loads((folder / "trainer_state.json").read_text())
     (folder / "trainer_state.json").write_text(json.dumps({**flat, "surprise": 1}))
-    with pytest.raises(CheckpointError, match=r"trainer_state.json: keys \['surprise'\] are in no known layout"):
+    with pytest.raises(
+        CheckpointError, match=r"trainer_state.json: keys \['surprise'\] are in no known layout"
+    ):
         load_checkpoint(folder)
     (folder / "trainer_state.json").write_text(json.dumps({"format": 99, "step": 2, "state": {}}))
     with pytest.raises(CheckpointError, match="format 99; this version reads format 2"):
