@@ -8,22 +8,37 @@ strings and their classes by name.
 
 `PENDING` lists the modules that still name one, each with what it is and why it is left; an
 entry whose module no longer names a learner fails too, so the list only shrinks (issue 47).
+
+A learner of one's own is one module outside the package (`tests.trainer.toy_learner`): picked by
+``algorithm.name=package.module:Class`` with ``algorithm.options``, its own tensor state saved by the
+checkpoint's rule; killed with SIGKILL and resumed, it ends bitwise where a straight run ends.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import sys
 from pathlib import Path
 
+import pytest
+from safetensors.torch import load_file
+
 import boogu_trainer
+from boogu_trainer.checkpoint import checkpoint_folders, load_checkpoint
 
 ROOT = Path(boogu_trainer.__file__).parent
 LEARNER_STRINGS = {"flow_grpo", "grpo_guard", "diffusion_nft", "awm", "nft"}
 LEARNER_CLASSES = {"FlowGRPO", "DiffusionNFT", "AWM"}
 
+HOMES = {
+    "config/algorithms.py": "the one list of the built-in learners (BUILTIN): names, options keys, traits",
+}
+"""Modules whose job is to name the learners."""
+
 PENDING = {
-    "config/sections.py": "the options: algorithm.name's Literal, FORWARD_OPTIONS_KEYS (one options class per learner is issue 47, item 4)",
-    "config/checks.py": "the 'ignored key' check of flow_grpo-only keys (item 4 derives it from the options)",
+    "config/sections.py": "defaults and recipes: algorithm.name's default, flow_grpo's algorithm.loss choices "
+    "(a shared key recipes use), the scenes demo's learner and its algorithm.nft options",
     "dryrun.py": "the fake-CUDA dry run's shipped recipe per learner (it leaves the trainer package, item 5)",
 }
 
@@ -86,11 +101,94 @@ def test_nothing_outside_algorithms_names_a_learner():
         hits = learner_names(path.read_text(encoding="utf-8"))
         if hits:
             named[rel] = hits
-    new = {rel: hits for rel, hits in named.items() if rel not in PENDING}
+    new = {rel: hits for rel, hits in named.items() if rel not in PENDING and rel not in HOMES}
     assert not new, (
         f"these modules name a learner outside boogu_trainer/algorithms/ (line, name): {new}; ask the "
         "learner's Algorithm class instead (e.g. Algorithm.reads_rollout_logprobs, planned_memory, "
         "rollout_weights, step_metrics)"
     )
-    done = sorted(set(PENDING) - set(named))
+    done = sorted((set(PENDING) | set(HOMES)) - set(named))
     assert not done, f"no longer name a learner: remove them from PENDING: {done}"
+
+
+TOY = [
+    "algorithm.name=tests.trainer.toy_learner:AnchoredFlowGRPO",
+    "algorithm.options={pull: 20.0, decay: 0.5}",
+]
+
+
+def test_the_builtin_learners_classes_and_specs_agree():
+    # One list (config.algorithms.BUILTIN) for the config's checks, one registry of classes: the same
+    # names, and each class's traits are what the config assumes of it.
+    from boogu_trainer.algorithms import ALGORITHMS as CLASSES
+    from boogu_trainer.algorithms import algorithm_class
+    from boogu_trainer.config.algorithms import ALGORITHMS, SPECS
+
+    assert tuple(CLASSES) == ALGORITHMS
+    for name, spec in SPECS.items():
+        cls = algorithm_class(name)
+        assert (cls.forward_process, cls.reads_rollout_logprobs) == (
+            spec.forward_process,
+            spec.policy_ratio,
+        ), name
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Choosing an algorithm") :].split("\n\n")[2]
+    rows = {line.split("|")[1].strip().split()[0].strip("`") for line in table.splitlines()[2:]}
+    assert rows == set(ALGORITHMS), f"README's 'Choosing an algorithm' table has rows for {rows}"
+
+
+def test_a_learner_of_ones_own_is_checked_at_load():
+    from boogu_trainer.config import ConfigError, load_config
+    from tests.trainer.toy_learner import AnchorOptions
+
+    config = load_config(None, [*TOY, "sampler.window_size=2"])
+    assert config.algorithm.options_of() == AnchorOptions(pull=20.0, decay=0.5)
+    spec = config.algorithm.spec
+    assert (spec.forward_process, spec.policy_ratio, spec.options_key) == (False, True, "options")
+    for overrides, message in (
+        (
+            ["algorithm.options={pul: 1}"],
+            r"algorithm.options.pul: .* no such option \(did you mean 'pull'\?\)",
+        ),
+        (["algorithm.options={decay: 1.5}"], r"algorithm.options.decay=1.5: expected in \[0, 1\)"),
+        (["sampler.window_size=0"], "AnchoredFlowGRPO trains on the SDE window"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*TOY, "sampler.window_size=2", *overrides])
+    with pytest.raises(
+        ConfigError, match=r"algorithm.name=.tests.trainer.toy_learner:Nope.: .* no attribute"
+    ):
+        load_config(None, ["algorithm.name=tests.trainer.toy_learner:Nope"])
+    with pytest.raises(ConfigError, match=r"not a subclass of boogu_trainer\.algorithms\.Algorithm"):
+        load_config(None, ["algorithm.name=tests.trainer.toy_learner:AnchorOptions"])
+    with pytest.raises(ConfigError, match=r"algorithm.options=.*only a learner of your own.*algorithm.nft"):
+        load_config(None, ["algorithm.name=diffusion_nft", "algorithm.options={beta: 2}"])
+
+
+@pytest.mark.slow
+def test_a_learner_of_ones_own_with_its_own_state_resumes_bitwise_after_sigkill(tiny_checkpoint, tmp_path):
+    from tests.trainer.test_distributed_and_resume import overrides, run, same
+
+    steps = ["total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", *TOY]
+    run([sys.executable, "-m", "boogu_trainer", *overrides(tiny_checkpoint, tmp_path / "straight", *steps)])
+    killed = tmp_path / "killed"
+    args = [sys.executable, "-m", "boogu_trainer", *overrides(tiny_checkpoint, killed, *steps)]
+    run(args, fault="kill:checkpoint_staged:3", expect=-9)
+    assert [s for s, _ in checkpoint_folders(killed / "run" / "checkpoints")] == [1, 2]
+    run([*args, "resume=auto"])
+    (_, a), (_, b) = (
+        checkpoint_folders(d / "run" / "checkpoints")[-1] for d in (tmp_path / "straight", killed)
+    )
+    for name in ("adapter_model.safetensors", "learner.anchor.safetensors", "optimizer.safetensors"):
+        assert same(load_file(a / name), load_file(b / name)), name
+    # The anchor is the learner's own state, and it matters: it lags the LoRA, and the pull is logged.
+    anchor, lora = load_file(a / "learner.anchor.safetensors"), load_checkpoint(a).state["learner"]["lora"]
+    assert anchor.keys() == lora.keys() and not same(anchor, lora)
+    assert load_checkpoint(a).state["learner"]["counters"]["anchor_updates"] == 4
+    lines = [json.loads(x) for x in (killed / "run" / "metrics.jsonl").read_text().splitlines()]
+    straight = [
+        json.loads(x) for x in (tmp_path / "straight" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [m["anchor/distance"] for m in lines] == [m["anchor/distance"] for m in straight]
+    assert lines[-1]["anchor/distance"] > 0

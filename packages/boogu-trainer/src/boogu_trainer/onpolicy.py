@@ -79,9 +79,9 @@ def logprob_diff_limit(config: TrainerConfig) -> float | None:
     (their loss never reads the rollout's log-probs)."""
     if config.rollout.logprob_diff_warn is not None:
         return config.rollout.logprob_diff_warn
-    from boogu_trainer.algorithms import ALGORITHMS  # the learners, not needed to import this module
+    from boogu_trainer.algorithms import algorithm_class  # the learners, not needed to import this module
 
-    if not ALGORITHMS[config.algorithm.name].reads_rollout_logprobs:
+    if not algorithm_class(config.algorithm.name).reads_rollout_logprobs:
         return None
     return config.algorithm.clip_range * CLIP_FRACTION_OF_LIMIT
 

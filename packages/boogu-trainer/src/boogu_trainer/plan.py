@@ -681,12 +681,10 @@ def plan_memory(
     if opts is not None:
         levels = opts.timesteps if opts.timesteps is not None else s.num_steps - 1
         latent = int(tcfg.get("in_channels", 16)) * (s.height // 8) * (s.width // 8) * 4
-        from boogu_trainer.algorithms import (
-            ALGORITHMS,
-        )  # the learners: only for a plan of a forward-process one
+        from boogu_trainer.algorithms import algorithm_class  # the learners: only for a forward-process one
 
         plan.static.update(
-            ALGORITHMS[a.name].planned_memory(lora_params * 4 / shard, per_rank, levels, latent)
+            algorithm_class(a.name).planned_memory(lora_params * 4 / shard, per_rank, levels, latent)
         )
     rollout_items = config.rollout.micro_batch_size or per_rank
     train_items = train_micro_batch_rows(config, world_size)

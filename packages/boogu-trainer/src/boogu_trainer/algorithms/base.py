@@ -83,6 +83,12 @@ class Algorithm(ABC):
     """One algorithm's part of the update (`boogu_trainer.algorithms` builds it from ``algorithm.name``)."""
 
     name: ClassVar[str]
+    forward_process: ClassVar[bool] = False
+    """It trains on re-noised clean samples (any sampler, ODE rollouts included); its options carry the
+    noise levels (`renoise.ForwardProcessAlgorithm`)."""
+    options_class: ClassVar[type | None] = None
+    """A learner of your own: the dataclass its ``algorithm.options`` build (``config.options_of()``);
+    the built-in ones' options are sections of ``AlgorithmConfig`` (``nft``, ``awm``)."""
     zero_advantage_has_no_gradient: ClassVar[bool] = True
     """A row with ``A = 0`` adds nothing to the gradient without a KL, so one process may skip it."""
     reads_rollout_logprobs: ClassVar[bool] = False

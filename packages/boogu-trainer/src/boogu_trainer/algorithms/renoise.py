@@ -84,6 +84,8 @@ class LevelPlan:
 class ForwardProcessAlgorithm(Algorithm):
     """DiffusionNFT's and AWM's update: one loss term per micro-batch and noise level."""
 
+    forward_process = True
+
     def begin(self, batch: ScoredBatch, step: int) -> None:
         self.batch = batch
         self.plan = LevelPlan(self.config, self.seed, self.policy.device, batch.trajectory, step)

@@ -4,6 +4,8 @@ Recipes are YAML files of these sections, with ``a.b=c`` overrides on top. The p
 lowest first (each imports only those above it, never this ``__init__``):
 
 - `fields`: dataclass and annotation helpers shared by the loader, the resume diff and the reference.
+- `algorithms`: the one list of the built-in learners (`BUILTIN`, `LearnerSpec`: options key, forward
+  process, policy ratio), and a learner of your own (``package.module:Class``, `learner_spec`).
 - `sections`: `ConfigError`, the sections (`DataConfig` ... `PerfConfig`, `RewardSpec`) and
   `TrainerConfig`, each validating its own fields in ``__post_init__`` (`TrainerConfig` also how
   its sections fit together); `scenes_demo_config` (the `trainer` demo), `demo_config` (the
@@ -18,6 +20,13 @@ lowest first (each imports only those above it, never this ``__init__``):
 
 from __future__ import annotations
 
+from boogu_trainer.config.algorithms import (
+    ALGORITHMS,
+    FORWARD_OPTIONS_KEYS,
+    POLICY_RATIO_KEYS,
+    LearnerSpec,
+    learner_spec,
+)
 from boogu_trainer.config.checks import FLOW_GRPO_ONLY_KEYS, check_ignored_settings, check_world_layout
 from boogu_trainer.config.loader import load_config
 from boogu_trainer.config.reference import config_reference_markdown, describe, field_docs
@@ -30,8 +39,6 @@ from boogu_trainer.config.resume import (
     resume_not_bitwise_changes,
 )
 from boogu_trainer.config.sections import (
-    ALGORITHMS,
-    FORWARD_OPTIONS_KEYS,
     AlgorithmConfig,
     AwmConfig,
     CheckpointConfig,
@@ -62,6 +69,7 @@ __all__ = [
     "ALGORITHMS",
     "FLOW_GRPO_ONLY_KEYS",
     "FORWARD_OPTIONS_KEYS",
+    "POLICY_RATIO_KEYS",
     "RESUME_FREE_KEYS",
     "RESUME_NOT_BITWISE_KEYS",
     "AlgorithmConfig",
@@ -72,6 +80,7 @@ __all__ = [
     "DistributedConfig",
     "EmaConfig",
     "EvalConfig",
+    "LearnerSpec",
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
@@ -93,6 +102,7 @@ __all__ = [
     "demo_config",
     "describe",
     "field_docs",
+    "learner_spec",
     "load_config",
     "resolved_model_dtype",
     "resume_not_bitwise_changes",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from boogu_trainer.config.algorithms import POLICY_RATIO_KEYS
 from boogu_trainer.config.sections import ConfigError, TrainerConfig
 
 
@@ -48,8 +49,9 @@ def check_world_layout(config: TrainerConfig, world_size: int) -> None:
         )
 
 
-FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = ("algorithm.clip_range", "algorithm.kl_kind")
-"""Settings of flow_grpo's policy-ratio loss that diffusion_nft and awm do not read."""
+FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = POLICY_RATIO_KEYS
+"""The settings of flow_grpo's policy-ratio loss, which the other learners do not read
+(`config.algorithms.POLICY_RATIO_KEYS`; kept under this name for callers)."""
 
 
 def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
@@ -69,19 +71,26 @@ def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
             f"evaluation scores when data.demo_set='scenes' and data.val_files is empty, but {why}; "
             "remove data.demo_eval_split from the recipe and overrides"
         )
-    name = config.algorithm.name
-    if name == "flow_grpo":
+    algorithm = config.algorithm
+    name, spec = algorithm.name, algorithm.spec
+    if spec.policy_ratio:
         return
-    for key in FLOW_GRPO_ONLY_KEYS:
+    options = algorithm.options_of()
+    for key in POLICY_RATIO_KEYS:
         if key in given:
-            value = getattr(config.algorithm, key.rpartition(".")[2])
+            field = key.rpartition(".")[2]
+            value = getattr(algorithm, field)
             own = (
-                " (awm's own clip is algorithm.awm.clip_range)"
-                if (name, key) == ("awm", "algorithm.clip_range")
+                f" ({name}'s own {field} is algorithm.{spec.options_key}.{field})"
+                if options is not None and hasattr(options, field)
+                else ""
+            )
+            kl = (
+                " (its KL term is the velocity MSE weighted by algorithm.kl_coef)"
+                if spec.forward_process
                 else ""
             )
             raise ConfigError(
                 f"{key}={value!r} with algorithm.name={name!r}: it belongs to flow_grpo's policy-ratio loss, "
-                f"which {name} does not use (its KL term is the velocity MSE weighted by "
-                f"algorithm.kl_coef); remove {key} from the recipe and overrides{own}"
+                f"which {name} does not use{kl}; remove {key} from the recipe and overrides{own}"
             )

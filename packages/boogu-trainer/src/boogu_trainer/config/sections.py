@@ -29,6 +29,13 @@ from boogu_adapters.types import OutputSizeError, check_output_size
 from boogu_protocol import MAX_SEQUENCE_LENGTH, resolve_dtype_name
 from boogu_schedule import WindowPlan, uses_cfg
 from boogu_schedule.window import WindowPlanError
+from boogu_trainer.config.algorithms import (
+    FORWARD_OPTIONS_KEYS,
+    LearnerSpec,
+    is_user_learner,
+    learner_spec,
+    user_options,
+)
 from boogu_trainer.config.fields import field_hints
 from boogu_trainer.data import MAX_DEMO_PROMPTS, OCR_DEMO_PROMPTS
 
@@ -339,12 +346,6 @@ class RolloutConfig:
         )
 
 
-ALGORITHMS = ("flow_grpo", "diffusion_nft", "awm")
-FORWARD_OPTIONS_KEYS = {"diffusion_nft": "nft", "awm": "awm"}
-"""The algorithms that train on re-noised clean samples (any sampler, ODE rollouts included), each
-with the key of its options (``algorithm.nft``, ``algorithm.awm``)."""
-
-
 @dataclass(frozen=True)
 class NftConfig:
     beta: float = 1.0
@@ -415,14 +416,16 @@ def _check_sigma_range(value: tuple[float, float], key: str) -> None:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: Literal["flow_grpo", "diffusion_nft", "awm"] = "flow_grpo"
-    """The learner: flow_grpo (policy gradient on SDE transitions), diffusion_nft or awm (losses on re-noised clean samples; ODE rollouts allowed)."""
+    name: str = "flow_grpo"
+    """The learner: flow_grpo (policy gradient on SDE transitions), diffusion_nft or awm (losses on re-noised clean samples; ODE rollouts allowed); or one of your own as 'package.module:Class' (docs/algorithms.md, "A learner of your own")."""
     loss: Literal["ppo_clip", "grpo_guard"] = "ppo_clip"
     """flow_grpo's objective: PPO-clip, or GRPO-Guard (RatioNorm and per-step 1/|dt| reweighting; use clip_range ~2e-6)."""
     nft: NftConfig = field(default_factory=NftConfig)
     """diffusion_nft's options."""
     awm: AwmConfig = field(default_factory=AwmConfig)
     """awm's options."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The options of a learner of your own (name 'package.module:Class'), checked by its options_class; empty for the built-in ones."""
     group_size: int = 16
     """n: samples per prompt; advantages are normalised within each group."""
     std_scope: Literal["group", "batch"] = "batch"
@@ -453,17 +456,50 @@ class AlgorithmConfig:
     """+1 for training; -1 flips the objective (a diagnostic: the reward must then go down)."""
 
     @property
-    def forward_key(self) -> str | None:
-        """'nft' or 'awm': the options key of a forward-process learner; None for flow_grpo."""
-        return FORWARD_OPTIONS_KEYS.get(self.name)
+    def spec(self) -> LearnerSpec:
+        """What the checks know of the learner (`config.algorithms`)."""
+        return learner_spec(self.name)
 
     @property
-    def forward_options(self) -> NftConfig | AwmConfig | None:
-        """diffusion_nft's or awm's options (``algorithm.<forward_key>``); None for flow_grpo."""
-        return None if self.forward_key is None else getattr(self, self.forward_key)
+    def forward_key(self) -> str | None:
+        """The options key of a learner that trains on re-noised clean samples ('nft', 'awm', or
+        'options' for one of your own); None for flow_grpo."""
+        spec = self.spec
+        return spec.options_key if spec.forward_process else None
+
+    @property
+    def forward_options(self) -> Any:
+        """The options of a learner that trains on re-noised clean samples (``algorithm.<forward_key>``);
+        None for flow_grpo."""
+        return None if self.forward_key is None else self.options_of()
+
+    def options_of(self) -> Any:
+        """The learner's own options: ``algorithm.nft`` / ``algorithm.awm``, or for a learner of your own
+        ``algorithm.options`` built by its options_class; None for a learner without options."""
+        if is_user_learner(self.name):
+            return user_options(self.name, self.options, "algorithm.options")
+        key = self.spec.options_key
+        return None if key is None else getattr(self, key)
 
     def __post_init__(self) -> None:
         _check_finite(self, "algorithm.")
+        try:
+            spec = learner_spec(self.name)
+        except ValueError as error:
+            raise ConfigError(f"algorithm.name={self.name!r}: {error}") from None
+        if is_user_learner(self.name):
+            try:  # its options_class checks the values; the messages name algorithm.options.<key>
+                user_options(self.name, self.options, "algorithm.options")
+            except ConfigError:
+                raise
+            except (ValueError, TypeError) as error:
+                raise ConfigError(str(error)) from None
+        if self.options and not is_user_learner(self.name):
+            own = f"; {self.name}'s options are algorithm.{spec.options_key}.*" if spec.options_key else ""
+            raise ConfigError(
+                f"algorithm.options={dict(self.options)!r}: only a learner of your own "
+                f"(algorithm.name='package.module:Class') reads it{own}"
+            )
         _check(
             self.group_size >= 2,
             "algorithm.group_size",
@@ -727,17 +763,18 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.total_steps >= 1, "total_steps", self.total_steps, ">= 1")
         a = self.algorithm
-        if a.name == "flow_grpo" and self.sampler.window_size == 0:
+        spec = a.spec
+        if not spec.forward_process and self.sampler.window_size == 0:
             raise ConfigError(
-                "sampler.window_size=0: flow_grpo trains on the SDE window's transitions and needs at least "
-                "one; ODE rollouts (0) work with algorithm.name=diffusion_nft or awm"
+                f"sampler.window_size=0: {a.name} trains on the SDE window's transitions and needs at least "
+                f"one; ODE rollouts (0) work with algorithm.name={' or '.join(FORWARD_OPTIONS_KEYS)}"
             )
         if self.rollout.engine == "vllm_omni" and self.model.edit_vlm_view != "upstream":
             raise ConfigError(
                 f"model.edit_vlm_view={self.model.edit_vlm_view!r}: the vllm-omni worker encodes edit references "
                 "the upstream way only; use edit_vlm_view=upstream (the default) or rollout.engine=local"
             )
-        if a.loss != "ppo_clip" and a.name != "flow_grpo":
+        if a.loss != "ppo_clip" and not spec.policy_ratio:
             raise ConfigError(
                 f"algorithm.loss={a.loss!r}: GRPO-Guard is a flow_grpo objective; "
                 f"algorithm.name={a.name!r} has its own loss (leave algorithm.loss=ppo_clip)"
