@@ -202,6 +202,38 @@ def test_several_ranks_without_fsdp_are_refused(tmp_path):
 # ---- the fake-CUDA dry run of a training step -----------------------------------------------------
 
 
+def test_the_loops_functions_are_marked_and_a_read_under_one_is_in_a_loop():
+    # A mark is made when its module is imported (the learners' losses when their class is defined).
+    import boogu_adapters.recompute  # noqa: F401
+    import boogu_trainer.learner  # noqa: F401
+    from boogu_schedule.hot import per_iteration, per_iteration_functions
+
+    marked = set(per_iteration_functions())
+    assert {
+        "boogu_schedule.sampling:sample_windowed",
+        "boogu_adapters.step:boogu_velocity",
+        "boogu_adapters.recompute:TransitionRecompute.step_stats",
+        "boogu_trainer.learner:Learner._accumulate",
+        "boogu_trainer.learner:Learner.optimizer_step",
+        "boogu_trainer.learner:Learner._weights_finite",
+        "boogu_trainer.algorithms.renoise:ForwardProcessAlgorithm.precompute_old",
+        "boogu_trainer.algorithms.renoise:ForwardProcessAlgorithm.losses",
+        "boogu_trainer.algorithms.flow_grpo:FlowGRPO.losses",
+    } <= marked, marked
+
+    def read():  # stands for the session's host_read, called from a tensor's .item()
+        return dryrun._in_per_iteration()
+
+    @per_iteration
+    def loop_body():
+        return read()
+
+    def outside():
+        return read()
+
+    assert loop_body() and not outside()
+
+
 @pytest.mark.slow
 def test_dry_run_of_a_training_step_on_two_fake_gpus(tmp_path):
     """FlowGRPO, edit rows, two ranks (FSDP2 on the fake process group), mid-size model on fake CUDA
@@ -225,6 +257,11 @@ def test_dry_run_of_a_training_step_on_two_fake_gpus(tmp_path):
     report = result.as_json()
     assert report["host_reads_in_loops"] == 0, report["host_reads"]["in_loops"]
     assert set(report["host_reads"]["by_design"]) <= set(dryrun.BY_DESIGN)
+    # The loop detection works: the optimizer step's two reads, made on purpose, are seen in the loop.
+    assert {
+        "boogu_trainer.learner:Learner.optimizer_step",
+        "boogu_trainer.learner:Learner._weights_finite",
+    } <= set(report["host_reads"]["by_design"])
     session = result.session
     phases = {c.phase for c in session.collectives}
     assert any(p.startswith("rollout") for p in phases) and any(p.startswith("update") for p in phases)

@@ -16,6 +16,7 @@ import torch
 from boogu_adapters.lora import adapters_disabled
 from boogu_adapters.step import transition
 from boogu_adapters.types import Trajectory, host_tensor
+from boogu_schedule.hot import per_iteration
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class TransitionRecompute:
             return tensor[rows[0] : rows[0] + len(rows)]
         return tensor[host_tensor(rows, tensor.device)]
 
+    @per_iteration
     def step_stats(
         self,
         model: torch.nn.Module,

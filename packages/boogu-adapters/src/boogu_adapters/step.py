@@ -25,6 +25,7 @@ import torch
 from boogu_adapters.model.transformer import InstructionCache
 from boogu_adapters.types import Conditioning
 from boogu_schedule import Sampler, SdeStep, boogu_time, text_cfg, uses_cfg
+from boogu_schedule.hot import per_iteration
 from boogu_schedule.sampling import sde_transition
 
 CfgMode = Literal["batched", "sequential"]
@@ -153,6 +154,7 @@ class RolloutTextCache:
         return hit
 
 
+@per_iteration
 def boogu_velocity(
     transformer: torch.nn.Module,
     latents: torch.Tensor,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from boogu_schedule.hot import per_iteration
 from boogu_schedule.schedule import to_sde_velocity
 from boogu_schedule.sde import Sampler, SdeStep, sde_step
 from boogu_schedule.seeding import derive_seed, make_generator
@@ -258,6 +259,7 @@ class WindowedSamples:
     """(B, C, h, w): the last step's output."""
 
 
+@per_iteration
 def sample_windowed(
     velocity: VelocityFn,
     x: torch.Tensor,

@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from boogu_schedule import generator_factory
+from boogu_schedule.hot import is_per_iteration
 
 logger = logging.getLogger("boogu_trainer")
 
@@ -82,20 +83,11 @@ __all__ = [
 SHADOW_LIMIT = 1 << 16
 """Largest tensor (elements) whose values the dry run computes on real CPU copies."""
 
-LOOP_FUNCTIONS = frozenset(
-    {
-        "sample_windowed",  # the denoising loop (boogu_schedule.sampling)
-        "boogu_velocity",  # every transformer call of a rollout or an update (boogu_adapters.step)
-        "step_stats",  # FlowGRPO's recomputed transition (boogu_adapters.recompute)
-        "_accumulate",  # the update's micro-batch x loss-term loop (boogu_trainer.learner)
-        "losses",  # an algorithm's loss terms of one micro-batch (boogu_trainer.algorithms)
-        "precompute_old",  # DiffusionNFT / AWM's old values (boogu_trainer.algorithms.renoise)
-        "optimizer_step",  # once per optimizer step, inside the mini-batch loop
-        "_weights_finite",
-    }
-)
-"""Functions that run once per denoising step, micro-batch, window step, level or optimizer step: a
-host read inside one stalls the GPU's queue at every iteration."""
+# The loops' functions are marked where they are defined (`boogu_schedule.hot.per_iteration`: the
+# denoising loop, every transformer call, FlowGRPO's recomputed transition, the update's micro-batch x
+# loss-term loop, every learner's `losses`, the old values of DiffusionNFT / AWM, the optimizer step):
+# a host read under a marked frame stalls the GPU's queue at every iteration.
+
 
 BY_DESIGN = {
     "boogu_trainer.learner:Learner.optimizer_step": "one read per optimizer step: were the losses and "
@@ -527,6 +519,16 @@ def _our_frames() -> list[tuple[str, str]]:
     return frames
 
 
+def _in_per_iteration() -> bool:
+    """Whether a frame on the stack is a function marked `boogu_schedule.hot.per_iteration`."""
+    f = sys._getframe(2)
+    while f is not None:
+        if is_per_iteration(f.f_code):
+            return True
+        f = f.f_back
+    return False
+
+
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results (tuples, lists and dicts of them), in order."""
     if isinstance(obj, torch.Tensor):
@@ -756,7 +758,7 @@ class Session:
     def host_read(self, tensor: torch.Tensor, shadow: torch.Tensor | None) -> Any:
         frames = _our_frames()
         site = f"{frames[0][0]}:{frames[0][1]}" if frames else "(outside our packages)"
-        in_loop = any(q.rsplit(".", 1)[-1] in LOOP_FUNCTIONS for _, q in frames)
+        in_loop = _in_per_iteration()
         device_read = tensor.device.type != "cpu"
         if device_read:
             self.host_reads.append(HostRead(site, self.phase(), in_loop, shadow is None))
@@ -770,7 +772,7 @@ class Session:
     def synchronize(self) -> None:
         frames = _our_frames()
         site = f"{frames[0][0]}:{frames[0][1]} (torch.cuda.synchronize)" if frames else "synchronize"
-        in_loop = any(q.rsplit(".", 1)[-1] in LOOP_FUNCTIONS for _, q in frames)
+        in_loop = _in_per_iteration()
         self.host_reads.append(HostRead(site, self.phase(), in_loop, False))
 
     def collective(self, func: Any, args: tuple, kwargs: dict) -> None:

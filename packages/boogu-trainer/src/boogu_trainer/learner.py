@@ -31,6 +31,7 @@ from boogu_adapters.lora import (
     lora_state_dict,
 )
 from boogu_adapters.recompute import TransitionRecompute
+from boogu_schedule.hot import per_iteration
 from boogu_trainer.algorithms import Algorithm, Policy, UpdateResult, build_algorithm
 from boogu_trainer.algorithms.base import PhaseCounter, micro_batches
 from boogu_trainer.config import AlgorithmConfig, EmaConfig, OptimConfig
@@ -219,6 +220,7 @@ class Learner:
         """``rows`` (host indices) in consecutive chunks of ``algorithm.train_micro_batch_size``."""
         return micro_batches(rows, self.algorithm_config.train_micro_batch_size)
 
+    @per_iteration
     def _accumulate(self, batch, advantages, chunks, total_rows, acc, *, first: bool) -> torch.Tensor:
         """Forward + backward of every micro-batch and loss term of one mini-batch.
 
@@ -246,6 +248,7 @@ class Learner:
         sums.into(acc)
         return bad
 
+    @per_iteration
     def optimizer_step(self, bad_loss: torch.Tensor, acc: dict[str, list]) -> str:
         """Clip, check, step: 'ok', 'skipped' (a non-finite loss or gradient) or 'undone' (non-finite weights)."""
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.optim_config.grad_clip))
@@ -318,6 +321,7 @@ class Learner:
         with torch.no_grad():
             torch._foreach_copy_([local_tensor(p.detach()) for p in self.params], self._snapshot)
 
+    @per_iteration
     def _weights_finite(self) -> bool:
         """All LoRA values finite on every rank: one fused norm over the local shards, one all-reduce."""
         norms = torch._foreach_norm([local_tensor(p.detach()) for p in self.params])

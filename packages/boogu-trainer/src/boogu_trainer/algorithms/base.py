@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from boogu_schedule.hot import per_iteration
 from boogu_trainer.losses import PolicyLoss
 
 if TYPE_CHECKING:
@@ -103,6 +104,14 @@ class Algorithm(ABC):
         ``lora_bytes`` one LoRA copy on this rank, ``rows`` this rank's samples per step, ``levels``
         trained per sample, ``latent_bytes`` one latent. None here."""
         return {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Each learner's loss terms run once per micro-batch and term: watched for host reads
+        # (`boogu_schedule.hot`), whoever writes them.
+        own = cls.__dict__.get("losses")
+        if own is not None and not getattr(own, "__isabstractmethod__", False):
+            per_iteration(own)
 
     def __init__(self, config: AlgorithmConfig, seed: int, policy: Policy):
         self.config = config

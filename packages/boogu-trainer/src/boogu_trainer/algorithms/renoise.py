@@ -34,6 +34,7 @@ import torch
 from boogu_adapters.lora import adapters_disabled
 from boogu_adapters.step import boogu_velocity
 from boogu_schedule import derive_seed, flow_target, forward_noise, make_generator, sample_sigmas
+from boogu_schedule.hot import per_iteration
 from boogu_trainer.algorithms.base import Algorithm, Term, micro_batches
 from boogu_trainer.losses import PolicyLoss, velocity_kl
 
@@ -150,6 +151,7 @@ class ForwardProcessAlgorithm(Algorithm):
             self.policy.transformer.eval()
             self.precompute_old(needs_old)
 
+    @per_iteration
     def precompute_old(self, rows: list[int]) -> None:
         """The old policy's values at every level of ``rows`` (no grad), before any optimizer step."""
         policy = self.policy
