@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from boogu_trainer.user_code import import_object
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,7 @@ def import_learner(name: str) -> type:
     module_name, _, attribute = name.partition(":")
     if not module_name or not attribute or ":" in attribute:
         raise ValueError(f"expected 'package.module:Class' for a learner of your own, got {name!r}")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import module {module_name!r}: {error}") from error
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"{module_name!r} has no attribute {attribute!r}") from None
+    target = import_object(name)
     # By name, not by import: the algorithms import the config (no cycle, and no torch here).
     bases = {f"{c.__module__}.{c.__qualname__}" for c in getattr(target, "__mro__", ())}
     if not (isinstance(target, type) and "boogu_trainer.algorithms.base.Algorithm" in bases):

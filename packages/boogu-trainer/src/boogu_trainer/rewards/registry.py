@@ -24,7 +24,6 @@ values it can check cheaply (a URL's syntax, not whether a server answers).
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -33,6 +32,7 @@ import torch
 
 from boogu_data import PromptRecord
 from boogu_trainer.rewards.base import RewardError, RewardFn, check_batch, scores_tensor
+from boogu_trainer.user_code import import_object
 
 __all__ = [
     "CallableReward",
@@ -148,14 +148,9 @@ def _checked_user_target(path: str, kwargs: Mapping[str, Any]) -> Callable[..., 
     if not sep or not module_name or not attribute or ":" in attribute:
         raise ValueError(f"a user reward must be given as 'package.module:function', got {path!r}")
     try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {error}") from error
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"reward {path!r}: {module_name!r} has no attribute {attribute!r}") from None
+        target = import_object(path)
+    except ValueError as error:
+        raise ValueError(f"reward {path!r}: {error}") from error.__cause__
     if inspect.isclass(target):
         _check_kwargs(path, target, kwargs)
     elif not callable(target):
