@@ -6,7 +6,7 @@ against (notes/rl-signal.md, "Ceiling"). The model, the LoRA and the evaluation 
 (`Trainer.__init__`: the scenes checkpoint, `prepare_policy`'s LoRA r8/α16 with its seeded init,
 the `Evaluator`); only the objective differs. Instead of rewarding its own samples, the LoRA is
 fine-tuned with the pretraining's flow-matching
-loss (`boogu_trainer.tiny_pretrain.draw_flow_batch` and `flow_matching_loss`: a level of the
+loss (`boogu_tiny.scenes_pretrain.draw_flow_batch` and `flow_matching_loss`: a level of the
 checkpoint's schedule per row, ``x_t = (1 - sigma) x0 + sigma eps`` at Boogu time ``t = 1 - sigma``,
 target ``x0 - eps``, float32 MSE, the caption dropped for the empty negative with probability
 ``--cond-dropout`` as the pretraining did) on the rendered targets of the RL training prompts:
@@ -14,7 +14,7 @@ target ``x0 - eps``, float32 MSE, the caption dropped for the empty negative wit
 * **data**: the records the trainer's `PromptSampler` draws from (``demo_records(data.demo_prompts,
   "scenes")``: train-split scenes whose caption is not held out), each scene rendered exactly as its
   ``ground_truth`` JSON specifies, at the demo's 64², encoded to the posterior mean of the model's VAE
-  (`tiny_pretrain.encode_images`, as the pretraining encoded its renders); the captions and the
+  (`scenes_pretrain.encode_images`, as the pretraining encoded its renders); the captions and the
   negative through the trainer's own prompt encoder (``trainer.local_engine.encode_prompts``);
 * **optimizer**: AdamW on the LoRA parameters with the demo's ``optim.*`` (betas, eps, weight decay,
   grad clip; constant lr ``--lr``, default ``optim.lr``), ``--batch`` rows per step (default 64, the
@@ -63,11 +63,7 @@ from boogu_adapters.step import pad_features
 from boogu_data import PromptRecord
 from boogu_data.scenes import Scene
 from boogu_schedule import derive_seed, make_generator
-from boogu_trainer.config import TrainerConfig, config_to_dict, load_config, scenes_task_config
-from boogu_trainer.demo import paired_summary
-from boogu_trainer.metrics import forward_equivalents
-from boogu_trainer.perf import unwrap_transformer
-from boogu_trainer.tiny_pretrain import (
+from boogu_tiny.scenes_pretrain import (
     PretrainConfig,
     _images,
     draw_flow_batch,
@@ -75,6 +71,10 @@ from boogu_trainer.tiny_pretrain import (
     flow_matching_loss,
     training_sigmas,
 )
+from boogu_trainer.config import TrainerConfig, config_to_dict, load_config, scenes_task_config
+from boogu_trainer.demo import paired_summary
+from boogu_trainer.metrics import forward_equivalents
+from boogu_trainer.perf import unwrap_transformer
 from boogu_trainer.trainer import Trainer
 
 BUDGET_FE = 44160

@@ -623,7 +623,7 @@ def test_ceiling_trains_on_the_rl_prompts_through_the_trainers_encoder(tmp_path,
 
     from boogu_adapters.lora import adapters_disabled
     from boogu_data.scenes import Scene
-    from boogu_trainer.tiny_pretrain import (
+    from boogu_tiny.scenes_pretrain import (
         draw_flow_batch,
         encode_captions,
         flow_matching_loss,

@@ -25,6 +25,7 @@ PROJECT_PACKAGES = (
     "boogu_data",
     "boogu_adapters",
     "boogu_trainer",
+    "boogu_tiny",
     "boogu_protocol",
     "boogu_vllm",
 )

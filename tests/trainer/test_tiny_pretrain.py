@@ -37,7 +37,7 @@ def _weights_digest(folder: Path) -> str:
 
 @pytest.fixture(scope="module")
 def quick_builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
-    from boogu_trainer.tiny_pretrain import PretrainConfig, pretrain
+    from boogu_tiny.scenes_pretrain import PretrainConfig, pretrain
 
     root = tmp_path_factory.mktemp("pretrain")
     lines: list[str] = []
@@ -51,7 +51,7 @@ def quick_builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
 
 def test_a_smoke_build_runs_every_stage_and_writes_a_loadable_checkpoint(quick_builds) -> None:
     from boogu_adapters.loading import load_boogu
-    from boogu_trainer.tiny_pretrain import PretrainConfig, transformer_config
+    from boogu_tiny.scenes_pretrain import PretrainConfig, transformer_config
 
     folder, _, report = quick_builds
     assert is_complete_tiny_checkpoint(folder)
@@ -87,7 +87,7 @@ def test_vae_crops_are_aligned_windows_of_the_batch() -> None:
     import torch
 
     from boogu_schedule import make_generator
-    from boogu_trainer.tiny_pretrain import _crop
+    from boogu_tiny.scenes_pretrain import _crop
 
     images = torch.arange(2 * 3 * 128 * 128).reshape(2, 3, 128, 128)
     generator = make_generator(0)
@@ -113,7 +113,7 @@ def test_the_build_is_deterministic(quick_builds) -> None:
 
 
 def test_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
-    from boogu_trainer.tiny_pretrain import PretrainConfig, pretrain
+    from boogu_tiny.scenes_pretrain import PretrainConfig, pretrain
 
     (tmp_path / "mine.txt").write_text("keep me")
     with pytest.raises(FileExistsError, match="not a boogu-tiny-pretrain output"):
@@ -122,7 +122,7 @@ def test_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_earlier_build_is_replaced_only_when_nothing_else_is_in_it(quick_builds, tmp_path: Path) -> None:
-    from boogu_trainer.tiny_pretrain import REPORT_NAME, PretrainConfig, check_output_folder, pretrain
+    from boogu_tiny.scenes_pretrain import REPORT_NAME, PretrainConfig, check_output_folder, pretrain
 
     folder, _, report = quick_builds
     assert "samples.png" in report["files"] and REPORT_NAME not in report["files"]
@@ -149,7 +149,7 @@ def test_an_earlier_build_is_replaced_only_when_nothing_else_is_in_it(quick_buil
 
 
 def test_evaluate_scores_a_built_checkpoint_without_building(quick_builds, capsys) -> None:
-    from boogu_trainer.tiny_pretrain import main
+    from boogu_tiny.scenes_pretrain import main
 
     folder, _, report = quick_builds
     assert main(["--quick", "--evaluate", str(folder)]) == 0
@@ -159,7 +159,7 @@ def test_evaluate_scores_a_built_checkpoint_without_building(quick_builds, capsy
 
 
 def test_overrides_name_the_field() -> None:
-    from boogu_trainer.tiny_pretrain import main
+    from boogu_tiny.scenes_pretrain import main
 
     with pytest.raises(SystemExit):
         main(["--output-dir", "x", "--set"])
@@ -244,8 +244,8 @@ def test_the_edit_smoke_build_trains_the_refiner_and_keeps_the_rest(quick_builds
     from safetensors.torch import load_file
 
     from boogu_adapters.loading import load_boogu
-    from boogu_trainer.tiny_edit_pretrain import EditPretrainConfig, edit_pretrain
-    from boogu_trainer.tiny_edit_pretrain import main as edit_main
+    from boogu_tiny.edit_pretrain import EditPretrainConfig, edit_pretrain
+    from boogu_tiny.edit_pretrain import main as edit_main
 
     base, _, _ = quick_builds
     lines: list[str] = []

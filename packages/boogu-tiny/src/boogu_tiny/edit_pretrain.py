@@ -4,7 +4,7 @@ Boogu-Image-0.1's Base and Edit checkpoints share one architecture; the Edit one
 reference image twice, as the real model does: the VLM text encoder sees it in the user turn with
 the instruction (`boogu_adapters.encoding.encode_prompts` with images), and its VAE latents enter
 the transformer through the reference-image refiner (``ref_image_hidden_states``). This module
-starts from the tiny T2I checkpoint pretrained on scenes (`boogu_trainer.tiny_pretrain`; the
+starts from the tiny T2I checkpoint pretrained on scenes (`boogu_tiny.scenes_pretrain`; the
 committed one by default) and trains its transformer with the same flow-matching objective on
 :mod:`boogu_data.scene_edits` pairs: the target is the edited scene, the reference the source
 scene. With probability ``cond_dropout`` the instruction is replaced by the empty negative prompt,
@@ -44,8 +44,7 @@ from boogu_data import PromptRecord
 from boogu_data.atomic import commit_folder, stage_folder
 from boogu_data.scene_edits import SceneEdit, generate_edits
 from boogu_data.scenes import render, render_objects
-from boogu_trainer.rewards.scene_edit import scene_edit_dense, scene_edit_exact
-from boogu_trainer.tiny_pretrain import (
+from boogu_tiny.scenes_pretrain import (
     PretrainConfig,
     _save_transformer,
     _to_unit,
@@ -57,6 +56,7 @@ from boogu_trainer.tiny_pretrain import (
     verdict_grid,
     write_report,
 )
+from boogu_trainer.rewards.scene_edit import scene_edit_dense, scene_edit_exact
 
 __all__ = ["EditPretrainConfig", "edit_pretrain", "main"]
 
@@ -134,7 +134,7 @@ def encode_edits(
 
 
 def _flow_config(config: EditPretrainConfig) -> PretrainConfig:
-    """The transformer-training settings of `tiny_pretrain.train_transformer`, from an Edit build's."""
+    """The transformer-training settings of `scenes_pretrain.train_transformer`, from an Edit build's."""
     return PretrainConfig(
         seed=config.seed,
         dit_steps=config.steps,

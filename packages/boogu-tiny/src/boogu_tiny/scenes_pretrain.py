@@ -415,7 +415,7 @@ def train_transformer(
     """Flow-matching training of ``model`` on Boogu latents; returns (EMA model, step losses).
 
     ``hidden``/``mask`` hold one row per latent and the empty negative prompt as their last row.
-    ``references`` (an Edit build, `boogu_trainer.tiny_edit_pretrain`): one reference latent per row,
+    ``references`` (an Edit build, `boogu_tiny.edit_pretrain`): one reference latent per row,
     given to the transformer's reference-image refiner; a dropped instruction keeps its reference.
     """
     generator = make_generator(config.seed * 1000 + 2)
