@@ -1,7 +1,7 @@
 """The GPU path on fake CUDA: every algorithm's rollout, update and evaluation at the released size.
 
 For each algorithm (flow_grpo, grpo_guard, diffusion_nft, awm) and each task (T2I, edit) it builds the
-model of ``--preset`` on fake CUDA in bf16 (``boogu_trainer.dryrun``: tensors with shapes, dtypes and
+model of ``--preset`` on fake CUDA in bf16 (``boogu_dryrun``: tensors with shapes, dtypes and
 devices but no memory), and runs the shipped recipe's training step (one rollout with the local
 engine, one update, the weight sync) and one evaluation call, with the recipe's micro-batches, on
 ``--world-size`` ranks (FSDP2 on the fake process group when more than one). A case fails on what a
@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import boogu_dryrun as dryrun
     from boogu_adapters.tiny import ensure_tiny_checkpoint
-    from boogu_trainer import dryrun
 
     preset = dryrun.presets()[args.preset]
     report: dict = {

@@ -113,12 +113,12 @@ def test_randomize_parameters_draws_on_its_generators_device():
     CPU from it is what a real GPU refuses, and what RandomOpCheck reports)."""
     import torch
 
+    import boogu_dryrun as dryrun
     from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, randomize_parameters
     from boogu_schedule import make_generator
-    from boogu_trainer import dryrun
 
     with dryrun.fake_cuda() as session:
-        with torch.device("cuda"), dryrun._skip_initialisers():
+        with torch.device("cuda"), dryrun.cases._skip_initialisers():
             model = BooguImageTransformer2DModel(**TINY_CONFIG)
         generator = make_generator(0, device="cuda")
         randomize_parameters(model, generator)

@@ -1,7 +1,7 @@
 """Device-honesty lints: code patterns that pass every CPU test and fail on a GPU, found by reading the AST.
 
 On a CPU every tensor, generator and collective lives on one device, so these mistakes are invisible
-to the test suite; the fake-CUDA dry run (``boogu_trainer.dryrun``) catches them at run time on the
+to the test suite; the fake-CUDA dry run (``boogu_dryrun``) catches them at run time on the
 paths it runs, and these lints catch them everywhere, statically:
 
 * a random factory given ``generator=`` without ``device=`` (``torch.randint(..., generator=cuda_gen)``

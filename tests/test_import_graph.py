@@ -26,6 +26,7 @@ PROJECT_PACKAGES = (
     "boogu_adapters",
     "boogu_trainer",
     "boogu_tiny",
+    "boogu_dryrun",
     "boogu_protocol",
     "boogu_vllm",
 )

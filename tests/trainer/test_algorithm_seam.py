@@ -39,7 +39,6 @@ HOMES = {
 PENDING = {
     "config/sections.py": "defaults and recipes: algorithm.name's default, flow_grpo's algorithm.loss choices "
     "(a shared key recipes use), the scenes demo's learner and its algorithm.nft options",
-    "dryrun.py": "the fake-CUDA dry run's shipped recipe per learner (it leaves the trainer package, item 5)",
 }
 
 

@@ -1,6 +1,6 @@
 """The GPU path's contracts, checked on a CPU: the device each rank takes, generators and random ops
 on one device, collectives on the rank's device, the same FSDP2 collectives on every rank, and the
-fake-CUDA dry run of a whole training step (``boogu_trainer.dryrun``).
+fake-CUDA dry run of a whole training step (``boogu_dryrun``).
 
 Each test here fails on the code before the fix it guards (docs/gpu-path.md lists which)."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import boogu_dryrun as dryrun
 from boogu_schedule import make_generator
 from boogu_schedule.window import random_window
-from boogu_trainer import dryrun
 from boogu_trainer.distributed import DeviceError, DistEnv, resolve_device
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def _fsdp_collectives(with_reference: bool, pad_reference_stage: bool) -> list[t
 
     with dryrun.fake_cuda(world_size=2) as session:
         env = DistEnv(rank=0, world_size=2, device=torch.device("cuda", 0))
-        with torch.device("cuda"), dryrun._skip_initialisers():
+        with torch.device("cuda"), dryrun.cases._skip_initialisers():
             model = BooguImageTransformer2DModel(**TINY_CONFIG)
         model.requires_grad_(True)
         shard_transformer(model, env)
@@ -222,7 +222,7 @@ def test_the_loops_functions_are_marked_and_a_read_under_one_is_in_a_loop():
     } <= marked, marked
 
     def read():  # stands for the session's host_read, called from a tensor's .item()
-        return dryrun._in_per_iteration()
+        return dryrun.session._in_per_iteration()
 
     @per_iteration
     def loop_body():

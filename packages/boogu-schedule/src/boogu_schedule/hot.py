@@ -3,7 +3,7 @@
 `per_iteration` marks a function whose body runs once per denoising step, micro-batch, loss term or
 optimizer step. It returns the function itself (no wrapper: nothing changes when it runs) and records
 its code object, so that a checker walking the stack can tell that a frame is inside such a loop: the
-fake-CUDA dry run (``boogu_trainer.dryrun``) reports every host read under a marked frame, since on a
+fake-CUDA dry run (``boogu_dryrun``) reports every host read under a marked frame, since on a
 GPU each one stalls the queue once per iteration. A mark travels with the function: renaming or
 moving it keeps it watched (a list of names would silently drop it).
 """

@@ -521,7 +521,7 @@ def load_full_state(
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """``torch.distributed``'s ``fake`` backend as this process's group: rank 0 of ``world_size``, every
-    collective returns at once without moving data (the dry run's, ``boogu_trainer.dryrun``)."""
+    collective returns at once without moving data (the dry run's, ``boogu_dryrun``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
