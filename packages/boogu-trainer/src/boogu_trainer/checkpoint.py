@@ -152,8 +152,9 @@ FLAT_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("totals",): {},
     ("pipeline",): None,
 }
-"""What a flat checkpoint that lacks a part means: v0.2 wrote no world size, totals or batch in flight,
-and no EMA or gold state when they were off."""
+"""What a flat checkpoint that lacks a part means: the EMA's file and the batch in flight are there only
+when on (v0.2 had no pipelining); the world size, gold state and totals, which both committed releases
+wrote, are read with the defaults the v0.3 reader gave them."""
 
 _TENSORS, _JSON = "$tensors", "$json"
 """The markers in ``trainer_state.json`` for a part that lives in a file of its own."""
