@@ -228,7 +228,9 @@ def _level_plan(name: str, group_ids: list[int], group_noise: bool, n: int = 4):
         group_id=torch.tensor(group_ids).repeat_interleave(n),
         final_latents=torch.zeros(b, 4, 4, 4),
     )
-    return LevelPlan(cfg.algorithm, cfg.seed, torch.device("cpu"), traj, step=7)
+    return LevelPlan(
+        cfg.algorithm, cfg.algorithm.forward_options, cfg.seed, torch.device("cpu"), traj, step=7
+    )
 
 
 @pytest.mark.parametrize("name", ["diffusion_nft", "awm"])

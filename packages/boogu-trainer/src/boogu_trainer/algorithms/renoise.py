@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +35,7 @@ from boogu_adapters.lora import adapters_disabled
 from boogu_adapters.step import boogu_velocity
 from boogu_schedule import derive_seed, flow_target, forward_noise, make_generator, sample_sigmas
 from boogu_schedule.hot import per_iteration
-from boogu_trainer.algorithms.base import Algorithm, Term, micro_batches
+from boogu_trainer.algorithms.base import Algorithm, Policy, Term, micro_batches
 from boogu_trainer.losses import PolicyLoss, velocity_kl
 
 if TYPE_CHECKING:
@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 class LevelPlan:
     """Noise levels and noise of every local sample for one update (levels on the device, noise lazily)."""
 
-    def __init__(self, config: AlgorithmConfig, seed: int, device: torch.device, traj: Trajectory, step: int):
-        opts = config.forward_options
+    def __init__(
+        self, config: AlgorithmConfig, opts: Any, seed: int, device: torch.device, traj: Trajectory, step: int
+    ):
         n = config.group_size
         self.device = device
         self.seed = seed
@@ -87,9 +88,16 @@ class ForwardProcessAlgorithm(Algorithm):
 
     forward_process = True
 
+    def __init__(self, config: AlgorithmConfig, seed: int, policy: Policy):
+        super().__init__(config, seed, policy)
+        self.options = config.forward_options
+        """The learner's options (``algorithm.nft`` / ``algorithm.awm``, or ``algorithm.options``), built once."""
+
     def begin(self, batch: ScoredBatch, step: int) -> None:
         self.batch = batch
-        self.plan = LevelPlan(self.config, self.seed, self.policy.device, batch.trajectory, step)
+        self.plan = LevelPlan(
+            self.config, self.options, self.seed, self.policy.device, batch.trajectory, step
+        )
         self.old_values: dict[tuple[int, int], torch.Tensor] = {}
         """(row, level) -> NFT's old velocity (C, h, w) or AWM's old log-prob (); filled by `precompute_old`."""
 
@@ -119,7 +127,7 @@ class ForwardProcessAlgorithm(Algorithm):
         """The policy's Boogu velocity: the conditional one (no CFG, the references'), or with
         ``guided`` the CFG-guided one at the rollout's guidance scale and CFG mode."""
         traj = self.batch.trajectory
-        guided = self.config.forward_options.guided
+        guided = self.options.guided
         scale, mode = (traj.guidance_scale, traj.cfg_mode) if guided else (1.0, "batched")
         policy = self.policy
         return boogu_velocity(

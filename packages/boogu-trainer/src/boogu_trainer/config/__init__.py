@@ -27,7 +27,7 @@ from boogu_trainer.config.algorithms import (
     LearnerSpec,
     learner_spec,
 )
-from boogu_trainer.config.checks import FLOW_GRPO_ONLY_KEYS, check_ignored_settings, check_world_layout
+from boogu_trainer.config.checks import check_ignored_settings, check_world_layout
 from boogu_trainer.config.loader import load_config
 from boogu_trainer.config.reference import config_reference_markdown, describe, field_docs
 from boogu_trainer.config.resume import (
@@ -67,7 +67,6 @@ from boogu_trainer.config.sections import (
 
 __all__ = [
     "ALGORITHMS",
-    "FLOW_GRPO_ONLY_KEYS",
     "FORWARD_OPTIONS_KEYS",
     "POLICY_RATIO_KEYS",
     "RESUME_FREE_KEYS",

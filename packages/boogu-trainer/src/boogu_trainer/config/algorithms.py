@@ -100,6 +100,7 @@ def import_learner(name: str) -> type:
     return target
 
 
+@functools.cache
 def learner_spec(name: str) -> LearnerSpec:
     """The spec of ``name``: a built-in one, or read off the class a ``package.module:Class`` names.
     ValueError naming the choices when it is neither."""

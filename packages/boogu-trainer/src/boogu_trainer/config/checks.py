@@ -49,11 +49,6 @@ def check_world_layout(config: TrainerConfig, world_size: int) -> None:
         )
 
 
-FLOW_GRPO_ONLY_KEYS: tuple[str, ...] = POLICY_RATIO_KEYS
-"""The settings of flow_grpo's policy-ratio loss, which the other learners do not read
-(`config.algorithms.POLICY_RATIO_KEYS`; kept under this name for callers)."""
-
-
 def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
     """Refuse a setting the recipe or the overrides give (``given``: dotted keys) that the chosen
     algorithm (flow_grpo's loss keys) or evaluation set (``data.demo_eval_split``) would ignore
