@@ -1,4 +1,5 @@
-"""Regenerate the README's config reference from the config dataclasses' field docstrings.
+"""Regenerate the README's generated parts: the config reference (from the config dataclasses' field
+docstrings) and the learners' table (from ``boogu_trainer.config.algorithms.BUILTIN``).
 
 uv run python tools/update_readme_config.py
 """
@@ -7,13 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from boogu_trainer.config import config_reference_markdown
+from boogu_trainer.config import config_reference_markdown, learners_table_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-START, END = "<!-- config-reference", "<!-- /config-reference -->"
+PARTS = {
+    ("<!-- config-reference", "<!-- /config-reference -->"): config_reference_markdown,
+    ("<!-- learners", "<!-- /learners -->"): learners_table_markdown,
+}
 
 text = README.read_text(encoding="utf-8")
-begin = text.index("\n", text.index(START)) + 1
-end = text.index(END)
-README.write_text(text[:begin] + config_reference_markdown() + "\n" + text[end:], encoding="utf-8")
+for (start, end), generate in PARTS.items():
+    begin = text.index("\n", text.index(start)) + 1
+    stop = text.index(end)
+    text = text[:begin] + generate() + "\n" + text[stop:]
+README.write_text(text, encoding="utf-8")
 print(f"updated {README}")

@@ -6,8 +6,9 @@ learner touches its own module and not the trainer, the learner loop, the plan o
 scan reads the sources (docstrings and comments are prose, not code) for the learners' names as
 strings and their classes by name.
 
-`PENDING` lists the modules that still name one, each with what it is and why it is left; an
-entry whose module no longer names a learner fails too, so the list only shrinks (issue 47).
+`HOMES` lists the two modules outside it whose job is to name them: the one list of the built-in
+learners with their option classes, and the built-in recipes (which pick a learner as a user's
+recipe does). An entry whose module no longer names a learner fails too.
 
 A learner of one's own is one module outside the package (`tests.trainer.toy_learner`): picked by
 ``algorithm.name=package.module:Class`` with ``algorithm.options``, its own tensor state saved by the
@@ -32,14 +33,11 @@ LEARNER_STRINGS = {"flow_grpo", "grpo_guard", "diffusion_nft", "awm", "nft"}
 LEARNER_CLASSES = {"FlowGRPO", "DiffusionNFT", "AWM"}
 
 HOMES = {
-    "config/algorithms.py": "the one list of the built-in learners (BUILTIN): names, options keys, traits",
+    "config/algorithms.py": "the one list of the built-in learners (BUILTIN): names, options keys, traits, "
+    "their option classes and the LearnerChoice fields they make",
+    "config/recipes.py": "the built-in recipes (the demo, the scenes task, the tests' fast run) pick a learner",
 }
 """Modules whose job is to name the learners."""
-
-PENDING = {
-    "config/sections.py": "defaults and recipes: algorithm.name's default, flow_grpo's algorithm.loss choices "
-    "(a shared key recipes use), the scenes demo's learner and its algorithm.nft options",
-}
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -100,14 +98,14 @@ def test_nothing_outside_algorithms_names_a_learner():
         hits = learner_names(path.read_text(encoding="utf-8"))
         if hits:
             named[rel] = hits
-    new = {rel: hits for rel, hits in named.items() if rel not in PENDING and rel not in HOMES}
+    new = {rel: hits for rel, hits in named.items() if rel not in HOMES}
     assert not new, (
         f"these modules name a learner outside boogu_trainer/algorithms/ (line, name): {new}; ask the "
         "learner's Algorithm class instead (e.g. Algorithm.reads_rollout_logprobs, planned_memory, "
         "rollout_weights, step_metrics)"
     )
-    done = sorted((set(PENDING) | set(HOMES)) - set(named))
-    assert not done, f"no longer name a learner: remove them from PENDING: {done}"
+    done = sorted(set(HOMES) - set(named))
+    assert not done, f"no longer name a learner: remove them from HOMES: {done}"
 
 
 TOY = [
@@ -130,10 +128,18 @@ def test_the_builtin_learners_classes_and_specs_agree():
             spec.forward_process,
             spec.policy_ratio,
         ), name
-    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("## Choosing an algorithm") :].split("\n\n")[2]
-    rows = {line.split("|")[1].strip().split()[0].strip("`") for line in table.splitlines()[2:]}
-    assert rows == set(ALGORITHMS), f"README's 'Choosing an algorithm' table has rows for {rows}"
+    # The option sections LearnerChoice declares (algorithm.nft, algorithm.awm) are the specs' keys.
+    import dataclasses
+
+    from boogu_trainer.config import AlgorithmConfig
+    from boogu_trainer.config.algorithms import LearnerChoice
+    from boogu_trainer.config.fields import field_hints
+
+    sections = {name for name, tp in field_hints(LearnerChoice).items() if dataclasses.is_dataclass(tp)}
+    assert sections == {s.options_key for s in SPECS.values() if s.options_key}
+    assert [f.name for f in dataclasses.fields(AlgorithmConfig)][
+        : len(dataclasses.fields(LearnerChoice))
+    ] == [f.name for f in dataclasses.fields(LearnerChoice)]
 
 
 def test_a_learner_of_ones_own_is_checked_at_load():

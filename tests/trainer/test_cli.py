@@ -158,3 +158,13 @@ def test_options_may_follow_the_recipe_and_the_overrides(capsys):
         assert (ns.plan, ns.gpu_memory, recipe, overrides) == (True, 80.0, str(RECIPE), ["model.device=cuda"])
     assert main([str(RECIPE), "--print-config", "optim.lr=3e-4"]) == 0
     assert "lr: 0.0003" in capsys.readouterr().out
+
+
+def test_learners_prints_the_readme_table_from_the_one_list(capsys):
+    from boogu_trainer.config import ALGORITHMS, learners_table_markdown
+
+    assert main(["--learners"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == learners_table_markdown().strip()
+    rows = [line.split("|")[1].strip().split()[0].strip("`") for line in out.strip().splitlines()[2:]]
+    assert list(dict.fromkeys(rows)) == list(ALGORITHMS)  # a row per learner, its variants after it

@@ -32,6 +32,7 @@ from boogu_trainer.config import (
     config_reference_markdown,
     config_to_yaml,
     describe,
+    learners_table_markdown,
     load_config,
     scenes_demo_config,
 )
@@ -53,6 +54,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument(
         "--config-reference", action="store_true", help="print the config reference as Markdown"
+    )
+    parser.add_argument(
+        "--learners", action="store_true", help="print the built-in learners (algorithm.name) as Markdown"
     )
     parser.add_argument(
         "--plan",
@@ -118,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ns, recipe, overrides = _parse(sys.argv[1:] if argv is None else argv)
     if ns.config_reference:
         print(config_reference_markdown())
+        return 0
+    if ns.learners:
+        print(learners_table_markdown())
         return 0
     try:
         config = load_config(recipe, overrides, base=None if recipe else scenes_demo_config())

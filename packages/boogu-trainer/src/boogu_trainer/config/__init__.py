@@ -24,11 +24,16 @@ from boogu_trainer.config.algorithms import (
     ALGORITHMS,
     FORWARD_OPTIONS_KEYS,
     POLICY_RATIO_KEYS,
+    AwmConfig,
+    LearnerChoice,
     LearnerSpec,
+    NftConfig,
     learner_spec,
+    learners_table_markdown,
 )
 from boogu_trainer.config.checks import check_ignored_settings, check_world_layout
 from boogu_trainer.config.loader import load_config
+from boogu_trainer.config.recipes import demo_config, scenes_demo_config, scenes_task_config
 from boogu_trainer.config.reference import config_reference_markdown, describe, field_docs
 from boogu_trainer.config.resume import (
     RESUME_FREE_KEYS,
@@ -40,7 +45,6 @@ from boogu_trainer.config.resume import (
 )
 from boogu_trainer.config.sections import (
     AlgorithmConfig,
-    AwmConfig,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -50,7 +54,6 @@ from boogu_trainer.config.sections import (
     LoggingConfig,
     LoraConfig,
     ModelConfig,
-    NftConfig,
     OptimConfig,
     PerfConfig,
     RewardConfig,
@@ -59,10 +62,7 @@ from boogu_trainer.config.sections import (
     SamplerConfig,
     TrainerConfig,
     VllmConfig,
-    demo_config,
     resolved_model_dtype,
-    scenes_demo_config,
-    scenes_task_config,
 )
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "DistributedConfig",
     "EmaConfig",
     "EvalConfig",
+    "LearnerChoice",
     "LearnerSpec",
     "LoggingConfig",
     "LoraConfig",
@@ -102,6 +103,7 @@ __all__ = [
     "describe",
     "field_docs",
     "learner_spec",
+    "learners_table_markdown",
     "load_config",
     "resolved_model_dtype",
     "resume_not_bitwise_changes",

@@ -1,4 +1,4 @@
-"""Dataclass and annotation helpers shared by the loader, the resume diff and the reference.
+"""Dataclass and annotation helpers shared by the sections, the loader, the resume diff and the reference.
 
 Nothing here knows the trainer's sections: each function takes a dataclass (or its plain data) and
 walks it, so that the three walks agree on what a field's type, default and plain value are.
@@ -8,10 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the dotted key."""
+
+
+def check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r}: expected {allowed}")
+
+
+def check_finite(section: Any, prefix: str) -> None:
+    """Every float of ``section`` (also inside tuple fields) is finite: OmegaConf reads .inf and nan."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        allowed = "finite numbers" if isinstance(value, tuple) else "a finite number"
+        for v in value if isinstance(value, tuple) else (value,):
+            check(not isinstance(v, float) or math.isfinite(v), f"{prefix}{f.name}", value, allowed)
 
 
 @functools.cache

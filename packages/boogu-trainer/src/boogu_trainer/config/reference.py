@@ -19,13 +19,17 @@ from boogu_trainer.config.sections import TrainerConfig
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body."""
+    """Field name -> the docstring written under it in the class body (or in the body of the
+    dataclass base that declares it: `AlgorithmConfig`'s first fields are `LearnerChoice`'s)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not cls and dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
-        return {}
+        return docs
     body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
     for node, nxt in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)

@@ -7,8 +7,8 @@ more (the world size, which keys the user gave) are in :mod:`boogu_trainer.confi
 
 Every field carries a one-line docstring (shown by ``trainer --help`` and in the README, see
 :mod:`boogu_trainer.config.reference`). The defaults are the reference recipe's values for the real
-model (docs/reference-integration.md §6); the demo (``trainer`` with no arguments) starts from
-:func:`scenes_demo_config`, the tests' fast runs from :func:`demo_config`.
+model (docs/reference-integration.md §6); the built-in recipes that pick other values (the demo,
+the tests' fast runs) are in :mod:`boogu_trainer.config.recipes`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import functools
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,37 +31,18 @@ from boogu_schedule import WindowPlan, uses_cfg
 from boogu_schedule.window import WindowPlanError
 from boogu_trainer.config.algorithms import (
     FORWARD_OPTIONS_KEYS,
-    LearnerSpec,
+    LearnerChoice,
     is_user_learner,
     learner_spec,
     user_options,
 )
-from boogu_trainer.config.fields import field_hints
+from boogu_trainer.config.fields import ConfigError, check, check_finite, field_hints
 from boogu_trainer.data import MAX_DEMO_PROMPTS, OCR_DEMO_PROMPTS
-
-
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names the dotted key."""
-
 
 CHECK_REWARD_SPECS: contextvars.ContextVar[bool] = contextvars.ContextVar("check_reward_specs", default=True)
 """False while ``load_config(..., check_rewards=False)`` builds a config (``boogu-sample``, which
 scores nothing): reward names and options are not resolved, so a ``module:attribute`` reward is not
 imported. Their shape (names, labels, weights) is still checked."""
-
-
-def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r}: expected {allowed}")
-
-
-def _check_finite(section: Any, prefix: str) -> None:
-    """Every float of ``section`` (also inside tuple fields) is finite: OmegaConf reads .inf and nan."""
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        allowed = "finite numbers" if isinstance(value, tuple) else "a finite number"
-        for v in value if isinstance(value, tuple) else (value,):
-            _check(not isinstance(v, float) or math.isfinite(v), f"{prefix}{f.name}", value, allowed)
 
 
 @dataclass(frozen=True)
@@ -82,16 +63,16 @@ class DataConfig:
     """demo_set=scenes: the evaluation prompts when val_files is empty: heldout (train-split captions never used for training, a quarter of them), or the scene set's val or test split (colour-shape pairs the pretraining never saw)."""
 
     def __post_init__(self) -> None:
-        _check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
-        _check(self.demo_prompts >= 1, "data.demo_prompts", self.demo_prompts, ">= 1")
+        check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
+        check(self.demo_prompts >= 1, "data.demo_prompts", self.demo_prompts, ">= 1")
         if self.demo_set == "ocr":
-            _check(
+            check(
                 self.demo_prompts <= OCR_DEMO_PROMPTS,
                 "data.demo_prompts",
                 self.demo_prompts,
                 f"<= {OCR_DEMO_PROMPTS} (the built-in OCR prompts; data.demo_set=scenes has up to {MAX_DEMO_PROMPTS})",
             )
-        _check(
+        check(
             self.demo_prompts <= MAX_DEMO_PROMPTS,
             "data.demo_prompts",
             self.demo_prompts,
@@ -136,14 +117,14 @@ class ModelConfig:
     """The Qwen3-VL text encoder with rollout.engine=local: 'always' keeps it in host memory and moves it to the GPU for each encode only; 'never' keeps it on the GPU; 'auto' offloads on CUDA when the memory plan says the run does not fit the GPU with it resident. With rollout.engine=vllm_omni the worker encodes and the trainer loads no text encoder weights."""
 
     def __post_init__(self) -> None:
-        _check(self.max_sequence_length >= 16, "model.max_sequence_length", self.max_sequence_length, ">= 16")
-        _check(
+        check(self.max_sequence_length >= 16, "model.max_sequence_length", self.max_sequence_length, ">= 16")
+        check(
             _DEVICE.fullmatch(self.device) is not None,
             "model.device",
             self.device,
             "'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
-        _check(self.compile_bucket >= 1, "model.compile_bucket", self.compile_bucket, ">= 1")
+        check(self.compile_bucket >= 1, "model.compile_bucket", self.compile_bucket, ">= 1")
 
 
 def resolved_model_dtype(spec: str, device_type: str) -> str:
@@ -163,11 +144,11 @@ class LoraConfig:
     """lora_A init ('gaussian' as the reference; lora_B is zero, so training starts at the base model)."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "lora.")
-        _check(self.rank >= 1, "lora.rank", self.rank, ">= 1")
-        _check(self.alpha > 0, "lora.alpha", self.alpha, "> 0")
-        _check(len(self.target_modules) > 0, "lora.target_modules", self.target_modules, "a non-empty list")
-        _check(
+        check_finite(self, "lora.")
+        check(self.rank >= 1, "lora.rank", self.rank, ">= 1")
+        check(self.alpha > 0, "lora.alpha", self.alpha, "> 0")
+        check(len(self.target_modules) > 0, "lora.target_modules", self.target_modules, "a non-empty list")
+        check(
             all(m.strip() for m in self.target_modules),
             "lora.target_modules",
             self.target_modules,
@@ -216,17 +197,17 @@ class SamplerConfig:
     """progressive windows: training steps between advances."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "sampler.")
-        _check(self.num_steps >= 2, "sampler.num_steps", self.num_steps, ">= 2")
-        _check(self.guidance_scale >= 1.0, "sampler.guidance_scale", self.guidance_scale, ">= 1.0")
+        check_finite(self, "sampler.")
+        check(self.num_steps >= 2, "sampler.num_steps", self.num_steps, ">= 2")
+        check(self.guidance_scale >= 1.0, "sampler.guidance_scale", self.guidance_scale, ">= 1.0")
         try:
             check_output_size(self.height, self.width)  # the rule the rollout request applies too
         except OutputSizeError as e:
             value = self.height * self.width if e.field == "height*width" else getattr(self, e.field)
             raise ConfigError(f"sampler.{e.field}={value!r}: {e}") from None
-        _check(self.noise_level > 0, "sampler.noise_level", self.noise_level, "> 0")
+        check(self.noise_level > 0, "sampler.noise_level", self.noise_level, "> 0")
         if self.window_size is not None:
-            _check(self.window_size >= 0, "sampler.window_size", self.window_size, ">= 0 or null")
+            check(self.window_size >= 0, "sampler.window_size", self.window_size, ">= 0 or null")
         try:
             # The window rule lives in boogu_schedule (the rollouts apply the same checks).
             self.window_plan.validate(self.num_steps)
@@ -270,8 +251,8 @@ class VllmConfig:
     """How long one rollout or LoRA sync may take before the run stops."""
 
     def __post_init__(self) -> None:
-        _check(self.startup_timeout_s > 0, "rollout.vllm.startup_timeout_s", self.startup_timeout_s, "> 0")
-        _check(
+        check(self.startup_timeout_s > 0, "rollout.vllm.startup_timeout_s", self.startup_timeout_s, "> 0")
+        check(
             0 < self.request_timeout_s < math.inf,
             "rollout.vllm.request_timeout_s",
             self.request_timeout_s,
@@ -279,7 +260,7 @@ class VllmConfig:
         )
         if self.url is not None:
             for url in self.url.split(","):
-                _check(
+                check(
                     url.strip().startswith("http://"),
                     "rollout.vllm.url",
                     self.url,
@@ -327,17 +308,17 @@ class RolloutConfig:
     """The vllm-omni engine's worker."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.micro_batch_size >= 0,
             "rollout.micro_batch_size",
             self.micro_batch_size,
             ">= 0 (0 = no split)",
         )
         if self.logprob_diff_warn is not None:
-            _check(
+            check(
                 self.logprob_diff_warn > 0, "rollout.logprob_diff_warn", self.logprob_diff_warn, "> 0 or null"
             )
-        _check(
+        check(
             self.pipeline == "off" or self.engine != "local",
             "rollout.pipeline",
             self.pipeline,
@@ -347,85 +328,11 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
-class NftConfig:
-    beta: float = 1.0
-    """Implicit-policy strength: v+ = v_old + beta (v - v_old), v- = v_old - beta (v - v_old) (the paper's 1.0; 0.1 for OCR and several rewards)."""
-    timesteps: int | None = None
-    """Noise levels trained per sample and step; null: all rollout-schedule levels but one (the reference's 9 of 10)."""
-    time_sampling: Literal["schedule", "uniform"] = "schedule"
-    """'schedule': distinct levels of the rollout's schedule, permuted per sample (the reference); 'uniform': stratified in sigma_range."""
-    sigma_range: tuple[float, float] = (0.0, 1.0)
-    """uniform time sampling: the noise levels sigma (1 = noise, 0 = data) to draw from."""
-    adaptive_weight: bool = True
-    """Divide each sample's x0-space error by its detached mean absolute error (the reference's adaptive weighting)."""
-    group_noise: bool = False
-    """Re-noise every sample of a group at the same levels with the same noise (common random numbers: the advantage-weighted part of the loss sums to zero over a group, so its noise-only part cancels); false: each sample draws its own (the reference)."""
-    guided: bool = False
-    """Train the CFG-guided velocity at the rollout's guidance scale (the positive and negative rows, as flow_grpo trains), twice the training forwards; needs sampler.guidance_scale > 1. false: the conditional velocity (the reference, CFG-free)."""
-    old_decay_start: int = 0
-    """Optimizer steps with old = current policy before the old policy starts lagging (75 in the reference's OCR recipe)."""
-    old_decay_rate: float = 0.001
-    """After old_decay_start, the old policy's decay grows by this per optimizer step: old <- d old + (1 - d) current."""
-    old_decay_max: float = 0.5
-    """Cap on that decay (0.5 in the reference's default, 0.999 for OCR; 0 keeps old = current)."""
+class AlgorithmConfig(LearnerChoice):
+    """``algorithm.*``: the learner and its options (`LearnerChoice`: ``name``, ``loss``, ``nft``,
+    ``awm``, ``options``, first), then what every learner shares: groups, advantages, clip, KL,
+    epochs and mini-batches."""
 
-    def __post_init__(self) -> None:
-        _check_finite(self, "algorithm.nft.")
-        _check(self.beta > 0, "algorithm.nft.beta", self.beta, "> 0")
-        if self.timesteps is not None:
-            _check(self.timesteps >= 1, "algorithm.nft.timesteps", self.timesteps, ">= 1 or null")
-        _check_sigma_range(self.sigma_range, "algorithm.nft.sigma_range")
-        _check(self.old_decay_start >= 0, "algorithm.nft.old_decay_start", self.old_decay_start, ">= 0")
-        _check(self.old_decay_rate >= 0, "algorithm.nft.old_decay_rate", self.old_decay_rate, ">= 0")
-        _check(0 <= self.old_decay_max < 1, "algorithm.nft.old_decay_max", self.old_decay_max, "in [0, 1)")
-
-    def old_decay(self, optimizer_steps: int) -> float:
-        """The decay d of the soft update after ``optimizer_steps`` optimizer steps."""
-        if optimizer_steps < self.old_decay_start:
-            return 0.0
-        return min((optimizer_steps - self.old_decay_start) * self.old_decay_rate, self.old_decay_max)
-
-
-@dataclass(frozen=True)
-class AwmConfig:
-    timesteps: int = 4
-    """Noise levels trained per sample and step."""
-    time_sampling: Literal["schedule", "uniform"] = "uniform"
-    """'uniform': stratified in sigma_range; 'schedule': distinct levels of the rollout's schedule."""
-    sigma_range: tuple[float, float] = (0.0, 1.0)
-    """uniform time sampling: the noise levels sigma (1 = noise, 0 = data) to draw from."""
-    clip_range: float | None = None
-    """PPO clip on exp(log p - log p_old), log p = -mean((v - target)^2); null: no clip, the ratio is 1 and no old-policy forward is made (plain advantage-weighted matching)."""
-    group_noise: bool = False
-    """Re-noise every sample of a group at the same levels with the same noise (common random numbers: the advantages sum to zero over a group, so the noise-only part of the weighted flow-matching gradient cancels); false: each sample draws its own."""
-    guided: bool = False
-    """Train the CFG-guided velocity at the rollout's guidance scale (the positive and negative rows, as flow_grpo trains), twice the training forwards; needs sampler.guidance_scale > 1. false: the conditional velocity (the pretraining loss's)."""
-
-    def __post_init__(self) -> None:
-        _check_finite(self, "algorithm.awm.")
-        _check(self.timesteps >= 1, "algorithm.awm.timesteps", self.timesteps, ">= 1")
-        _check_sigma_range(self.sigma_range, "algorithm.awm.sigma_range")
-        if self.clip_range is not None:
-            _check(self.clip_range > 0, "algorithm.awm.clip_range", self.clip_range, "> 0 or null")
-
-
-def _check_sigma_range(value: tuple[float, float], key: str) -> None:
-    lo, hi = value
-    _check(0.0 <= lo < hi <= 1.0, key, list(value), "[lo, hi] with 0 <= lo < hi <= 1")
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    name: str = "flow_grpo"
-    """The learner: flow_grpo (policy gradient on SDE transitions), diffusion_nft or awm (losses on re-noised clean samples; ODE rollouts allowed); or one of your own as 'package.module:Class' (docs/algorithms.md, "A learner of your own")."""
-    loss: Literal["ppo_clip", "grpo_guard"] = "ppo_clip"
-    """flow_grpo's objective: PPO-clip, or GRPO-Guard (RatioNorm and per-step 1/|dt| reweighting; use clip_range ~2e-6)."""
-    nft: NftConfig = field(default_factory=NftConfig)
-    """diffusion_nft's options."""
-    awm: AwmConfig = field(default_factory=AwmConfig)
-    """awm's options."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """The options of a learner of your own (name 'package.module:Class'), checked by its options_class; empty for the built-in ones."""
     group_size: int = 16
     """n: samples per prompt; advantages are normalised within each group."""
     std_scope: Literal["group", "batch"] = "batch"
@@ -455,34 +362,8 @@ class AlgorithmConfig:
     advantage_sign: float = 1.0
     """+1 for training; -1 flips the objective (a diagnostic: the reward must then go down)."""
 
-    @property
-    def spec(self) -> LearnerSpec:
-        """What the checks know of the learner (`config.algorithms`)."""
-        return learner_spec(self.name)
-
-    @property
-    def forward_key(self) -> str | None:
-        """The options key of a learner that trains on re-noised clean samples ('nft', 'awm', or
-        'options' for one of your own); None for flow_grpo."""
-        spec = self.spec
-        return spec.options_key if spec.forward_process else None
-
-    @property
-    def forward_options(self) -> Any:
-        """The options of a learner that trains on re-noised clean samples (``algorithm.<forward_key>``);
-        None for flow_grpo."""
-        return None if self.forward_key is None else self.options_of()
-
-    def options_of(self) -> Any:
-        """The learner's own options: ``algorithm.nft`` / ``algorithm.awm``, or for a learner of your own
-        ``algorithm.options`` built by its options_class; None for a learner without options."""
-        if is_user_learner(self.name):
-            return user_options(self.name, self.options, "algorithm.options")
-        key = self.spec.options_key
-        return None if key is None else getattr(self, key)
-
     def __post_init__(self) -> None:
-        _check_finite(self, "algorithm.")
+        check_finite(self, "algorithm.")
         try:
             spec = learner_spec(self.name)
         except ValueError as error:
@@ -500,25 +381,25 @@ class AlgorithmConfig:
                 f"algorithm.options={dict(self.options)!r}: only a learner of your own "
                 f"(algorithm.name='package.module:Class') reads it{own}"
             )
-        _check(
+        check(
             self.group_size >= 2,
             "algorithm.group_size",
             self.group_size,
             ">= 2 (advantages are relative to the group)",
         )
-        _check(self.clip_range > 0, "algorithm.clip_range", self.clip_range, "> 0")
-        _check(self.adv_clip > 0, "algorithm.adv_clip", self.adv_clip, "> 0")
-        _check(self.adv_eps >= 0, "algorithm.adv_eps", self.adv_eps, ">= 0")
-        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, ">= 0")
-        _check(self.inner_epochs >= 1, "algorithm.inner_epochs", self.inner_epochs, ">= 1")
-        _check(
+        check(self.clip_range > 0, "algorithm.clip_range", self.clip_range, "> 0")
+        check(self.adv_clip > 0, "algorithm.adv_clip", self.adv_clip, "> 0")
+        check(self.adv_eps >= 0, "algorithm.adv_eps", self.adv_eps, ">= 0")
+        check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, ">= 0")
+        check(self.inner_epochs >= 1, "algorithm.inner_epochs", self.inner_epochs, ">= 1")
+        check(
             self.train_micro_batch_size >= 0,
             "algorithm.train_micro_batch_size",
             self.train_micro_batch_size,
             ">= 0 (0 = no split)",
         )
-        _check(self.mini_batches >= 1, "algorithm.mini_batches", self.mini_batches, ">= 1")
-        _check(self.advantage_sign in (1.0, -1.0), "algorithm.advantage_sign", self.advantage_sign, "1 or -1")
+        check(self.mini_batches >= 1, "algorithm.mini_batches", self.mini_batches, ">= 1")
+        check(self.advantage_sign in (1.0, -1.0), "algorithm.advantage_sign", self.advantage_sign, "1 or -1")
 
 
 @dataclass(frozen=True)
@@ -542,8 +423,8 @@ class RewardConfig:
     """Stop the run after this many consecutive steps with non-finite rewards or losses."""
 
     def __post_init__(self) -> None:
-        _check(len(self.rewards) >= 1, "reward.rewards", self.rewards, "at least one reward")
-        _check(self.max_nonfinite_steps >= 1, "reward.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
+        check(len(self.rewards) >= 1, "reward.rewards", self.rewards, "at least one reward")
+        check(self.max_nonfinite_steps >= 1, "reward.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
         _check_reward_specs(self.rewards, "reward.rewards")
         # Weight-0 rewards are logged metrics only and never enter the advantage: with every
         # weight 0 there is nothing to train on, and every advantage would be 0.
@@ -560,9 +441,9 @@ def _check_reward_specs(specs: tuple[RewardSpec, ...], key: str) -> None:
     labels: dict[str, int] = {}
     for i, spec in enumerate(specs):
         item = f"{key}[{i}]"
-        _check(isinstance(spec, RewardSpec), item, spec, "a mapping of name, weight, label, kwargs")
-        _check_finite(spec, f"{item}.")
-        _check(bool(spec.name), f"{item}.name", spec.name, "a reward name")
+        check(isinstance(spec, RewardSpec), item, spec, "a mapping of name, weight, label, kwargs")
+        check_finite(spec, f"{item}.")
+        check(bool(spec.name), f"{item}.name", spec.name, "a reward name")
         if CHECK_REWARD_SPECS.get():
             from boogu_trainer.rewards import validate_reward_spec  # the registry loads the built-ins
 
@@ -592,13 +473,13 @@ class OptimConfig:
     """Clip the LoRA gradient norm; a non-finite norm skips the step."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "optim.")
+        check_finite(self, "optim.")
         # Above 1 AdamW's step overflows (1e39 is inf in float32) or wrecks the LoRA in one step.
-        _check(0 < self.lr <= 1, "optim.lr", self.lr, "in (0, 1] (LoRA learning rates are ~1e-5 to 1e-3)")
-        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
-        _check(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "each in [0, 1)")
-        _check(self.eps > 0, "optim.eps", self.eps, "> 0")
-        _check(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "> 0")
+        check(0 < self.lr <= 1, "optim.lr", self.lr, "in (0, 1] (LoRA learning rates are ~1e-5 to 1e-3)")
+        check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        check(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "each in [0, 1)")
+        check(self.eps > 0, "optim.eps", self.eps, "> 0")
+        check(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "> 0")
 
 
 @dataclass(frozen=True)
@@ -612,7 +493,7 @@ class EmaConfig:
     the EMA weights, as flow_grpo and DiffusionNFT do; rollouts always use the trained weights."""
 
     def __post_init__(self) -> None:
-        _check(0 < self.decay < 1, "ema.decay", self.decay, "in (0, 1)")
+        check(0 < self.decay < 1, "ema.decay", self.decay, "in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -625,8 +506,8 @@ class DistributedConfig:
     """Seconds a collective may wait for the other ranks before the run stops with an error naming it."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "distributed.")
-        _check(self.timeout_s > 0, "distributed.timeout_s", self.timeout_s, "> 0")
+        check_finite(self, "distributed.")
+        check(self.timeout_s > 0, "distributed.timeout_s", self.timeout_s, "> 0")
 
 
 @dataclass(frozen=True)
@@ -639,8 +520,8 @@ class CheckpointConfig:
     """Also keep the checkpoint with the best gold evaluation score (eval.rewards' weighted total); checkpoints/best points to it."""
 
     def __post_init__(self) -> None:
-        _check(self.save_every >= 0, "checkpoint.save_every", self.save_every, ">= 0")
-        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+        check(self.save_every >= 0, "checkpoint.save_every", self.save_every, ">= 0")
+        check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
 
 
 @dataclass(frozen=True)
@@ -663,10 +544,10 @@ class LoggingConfig:
     """Redraw reward_curve.png every this many steps and at the last step (0: never)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.name) and "/" not in self.name, "logging.name", self.name, "a folder name")
-        _check(self.plot_every >= 0, "logging.plot_every", self.plot_every, ">= 0 (0 = never)")
-        _check(self.sample_every >= 0, "logging.sample_every", self.sample_every, ">= 0")
-        _check(self.num_samples >= 1, "logging.num_samples", self.num_samples, ">= 1")
+        check(bool(self.name) and "/" not in self.name, "logging.name", self.name, "a folder name")
+        check(self.plot_every >= 0, "logging.plot_every", self.plot_every, ">= 0 (0 = never)")
+        check(self.sample_every >= 0, "logging.sample_every", self.sample_every, ">= 0")
+        check(self.num_samples >= 1, "logging.num_samples", self.num_samples, ">= 1")
 
 
 @dataclass(frozen=True)
@@ -687,21 +568,21 @@ class EvalConfig:
     """What a divergence does: log a warning, or stop the run with a checkpoint."""
 
     def __post_init__(self) -> None:
-        _check(self.every >= 0, "eval.every", self.every, ">= 0")
-        _check(
+        check(self.every >= 0, "eval.every", self.every, ">= 0")
+        check(
             self.stop_on_divergence >= 0, "eval.stop_on_divergence", self.stop_on_divergence, ">= 0 (0 = off)"
         )
         _check_reward_specs(self.rewards, "eval.rewards")
-        _check(self.num_steps >= 1, "eval.num_steps", self.num_steps, ">= 1")
-        _check(self.num_prompts >= 1, "eval.num_prompts", self.num_prompts, ">= 1")
-        _check(
+        check(self.num_steps >= 1, "eval.num_steps", self.num_steps, ">= 1")
+        check(self.num_prompts >= 1, "eval.num_prompts", self.num_prompts, ">= 1")
+        check(
             self.num_prompts <= MAX_DEMO_PROMPTS,
             "eval.num_prompts",
             self.num_prompts,
             f"<= {MAX_DEMO_PROMPTS} (the most evaluation prompts; built-in scene prompts are drawn up front)",
         )
         if self.guidance_scale is not None:
-            _check(self.guidance_scale >= 1.0, "eval.guidance_scale", self.guidance_scale, ">= 1 or null")
+            check(self.guidance_scale >= 1.0, "eval.guidance_scale", self.guidance_scale, ">= 1 or null")
 
 
 @dataclass(frozen=True)
@@ -710,8 +591,8 @@ class PerfConfig:
     """Peak dense TFLOPs of one device for perf/mfu; null: looked up from the GPU's name (bf16 dense), measured once on CPU."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "perf.")
-        _check(
+        check_finite(self, "perf.")
+        check(
             self.peak_tflops is None or self.peak_tflops > 0,
             "perf.peak_tflops",
             self.peak_tflops,
@@ -761,7 +642,7 @@ class TrainerConfig:
     """Config keys allowed to differ from the checkpoint's on resume (e.g. [optim.lr]); the new values take effect. Keys that cannot change the numbers (total_steps, logging.*, checkpoint.*, eval.*, the rollout worker's url, devices and timeouts; docs/reliability.md) and other spellings of a value (a path's trailing slash) may always change."""
 
     def __post_init__(self) -> None:
-        _check(self.total_steps >= 1, "total_steps", self.total_steps, ">= 1")
+        check(self.total_steps >= 1, "total_steps", self.total_steps, ">= 1")
         a = self.algorithm
         spec = a.spec
         if not spec.forward_process and self.sampler.window_size == 0:
@@ -783,7 +664,7 @@ class TrainerConfig:
         if opts is not None and opts.time_sampling == "schedule":
             levels = self.sampler.num_steps
             wanted = opts.timesteps if opts.timesteps is not None else levels - 1  # NFT's null: all but one
-            _check(wanted <= levels, f"{key}.timesteps", opts.timesteps, f"<= sampler.num_steps ({levels})")
+            check(wanted <= levels, f"{key}.timesteps", opts.timesteps, f"<= sampler.num_steps ({levels})")
         if opts is not None and opts.guided and not uses_cfg(self.sampler.guidance_scale):
             raise ConfigError(
                 f"{key}.guided=true trains the CFG-guided velocity, but "
@@ -792,7 +673,7 @@ class TrainerConfig:
             )
         # Every stream is derived from the seed's low 63 bits (boogu_schedule.seeding): a larger seed
         # would silently give another seed's run.
-        _check(0 <= self.seed < 2**63, "seed", self.seed, "a whole number in [0, 2**63)")
+        check(0 <= self.seed < 2**63, "seed", self.seed, "a whole number in [0, 2**63)")
         self._check_contradictions()
         keys = _config_keys()
         for i, key in enumerate(self.resume_allow_changes):
@@ -854,84 +735,3 @@ def _config_keys() -> frozenset[str]:
                 yield from walk(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
 
     return frozenset(walk(TrainerConfig, ""))
-
-
-def scenes_task_config() -> TrainerConfig:
-    """The scenes task as the benchmarks run it (`benchmarks/algorithms_scenes.py`, `gradient_check.py`,
-    `ceiling.py`, `demo_throughput.py`, `pipeline.py` build their recipes on it): the tiny Boogu
-    pretrained on procedural scenes (``model.tiny: scenes``, docs/tiny-model.md) learns to follow
-    their captions, judged on captions it never trained on.
-
-    DiffusionNFT on CFG-4 ODE rollouts trains the conditional velocity (``guided: false``) on the
-    pass/fail verifier (``scene_exact``), one noise level per sample with common noise per group,
-    the old policy equal to the current one; lr 1e-3 for 30 steps of 8 prompts x 8 samples (the
-    demo's settings until issue 44's ten-seed comparison; ``examples/tiny_scenes/scenes_quick.yaml``).
-    The settings and the runs that led to them are in docs/tiny-model.md. The run ends with the
-    held-out comparison (``boogu_trainer.demo.heldout_comparison``: 400 captions, base vs LoRA on
-    the same seeds), which reuses the run's one evaluation (``eval.every: 30``: the last step)."""
-    return TrainerConfig(
-        data=DataConfig(prompts_per_step=8, demo_prompts=2000, demo_set="scenes", demo_eval_split="heldout"),
-        model=ModelConfig(device="cpu", tiny="scenes"),
-        lora=LoraConfig(rank=8, alpha=16.0),
-        sampler=SamplerConfig(num_steps=10, guidance_scale=4.0, height=64, width=64, window_size=0),
-        algorithm=AlgorithmConfig(
-            name="diffusion_nft",
-            nft=NftConfig(beta=1.0, timesteps=1, group_noise=True, guided=False, old_decay_max=0.0),
-            group_size=8,
-            std_scope="group",
-            mini_batches=1,
-        ),
-        reward=RewardConfig(rewards=(RewardSpec(name="scene_exact"),)),
-        eval=EvalConfig(every=30, num_steps=20, num_prompts=400, rewards=(RewardSpec(name="scene_exact"),)),
-        optim=OptimConfig(lr=1e-3, weight_decay=0.0),
-        checkpoint=CheckpointConfig(save_every=10, keep_last=2),
-        # The reward curve every 5 steps, not every step: a draw costs ~0.1 s, 1-2% of a CPU step.
-        logging=LoggingConfig(name="demo", sample_every=10, num_samples=8, plot_every=5),
-        total_steps=30,
-        seed=0,
-    )
-
-
-def scenes_demo_config() -> TrainerConfig:
-    """``trainer`` with no arguments: the scenes task (`scenes_task_config`) with a shorter, less
-    noisy step, the recipe that won the pre-registered ten-seed comparison (benchmarks/README.md,
-    "The demo over ten seeds"): 40 steps of 16 prompts x 8 samples (128 images per update), two
-    noise levels per sample, lr 5e-4; the held-out comparison reuses the last step's evaluation
-    (``eval.every: 40``). ``examples/tiny_scenes/scenes_demo.yaml`` is the same as a recipe,
-    ``scenes_quick.yaml`` the task's quicker settings."""
-    task = scenes_task_config()
-    return replace(
-        task,
-        data=replace(task.data, prompts_per_step=16),
-        algorithm=replace(task.algorithm, nft=replace(task.algorithm.nft, timesteps=2)),
-        eval=replace(task.eval, every=40),
-        optim=replace(task.optim, lr=5e-4),
-        total_steps=40,
-    )
-
-
-def demo_config() -> TrainerConfig:
-    """The fast CPU run of the tests and the first algorithm benchmark (``trainer`` with no arguments
-    before the scene demo): tiny random checkpoint, built-in OCR prompts, a cheap reward that a
-    random model can move."""
-    return TrainerConfig(
-        data=DataConfig(prompts_per_step=4, demo_prompts=32),
-        model=ModelConfig(device="cpu"),
-        lora=LoraConfig(rank=8, alpha=16.0),
-        sampler=SamplerConfig(
-            num_steps=6,
-            guidance_scale=2.0,
-            height=64,
-            width=64,
-            noise_level=0.8,
-            window_size=2,
-            window_range=(0, 4),
-        ),
-        algorithm=AlgorithmConfig(group_size=8, std_scope="group", clip_range=1e-3, mini_batches=2),
-        reward=RewardConfig(rewards=(RewardSpec(name="demo_brightness"),)),
-        optim=OptimConfig(lr=3e-3, weight_decay=0.0),
-        checkpoint=CheckpointConfig(save_every=10, keep_last=2),
-        logging=LoggingConfig(name="demo", sample_every=10, num_samples=8),
-        total_steps=30,
-        seed=0,
-    )
