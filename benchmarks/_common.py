@@ -43,7 +43,7 @@ MID_SIZE_OVERRIDES: dict[str, Any] = {
 
 def tiny_checkpoint(path: str | None, tmp: str) -> Path:
     """The tiny random checkpoint at ``path`` (built there if missing), or a fresh one under ``tmp``."""
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
+    from boogu_tiny.checkpoints import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(Path(path).expanduser() if path else Path(tmp) / "Boogu-Image")
 

@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import boogu_dryrun as dryrun
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
+    from boogu_tiny.checkpoints import ensure_tiny_checkpoint
 
     preset = dryrun.presets()[args.preset]
     report: dict = {

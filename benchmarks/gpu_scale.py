@@ -42,8 +42,8 @@ from boogu_adapters.model import (
     count_parameters,
     randomize_parameters,
 )
-from boogu_adapters.tiny import ensure_tiny_checkpoint
 from boogu_schedule import make_generator
+from boogu_tiny.checkpoints import ensure_tiny_checkpoint
 from boogu_trainer.config import load_config
 from boogu_trainer.trainer import Trainer
 

@@ -45,7 +45,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 @pytest.fixture(scope="session")
 def tiny_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     """A freshly built tiny checkpoint and its build time in seconds (imports excluded)."""
-    from boogu_adapters.tiny import ensure_tiny_checkpoint  # imported before the clock starts
+    from boogu_tiny.checkpoints import ensure_tiny_checkpoint  # imported before the clock starts
 
     start = time.perf_counter()
     path = ensure_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "Boogu-Image")
@@ -64,3 +64,9 @@ def tiny_parts(tiny_checkpoint: Path):
     from boogu_adapters.loading import load_boogu
 
     return load_boogu(tiny_checkpoint, transformer="native")
+
+
+@pytest.fixture
+def checkpoint_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint that a test may break."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "Boogu-Image"))

@@ -24,9 +24,3 @@ atexit.register(shutil.rmtree, _MODULES_CACHE, ignore_errors=True)
 def modules_cache() -> Path:
     """Where remote-code modules are copied to during this session."""
     return Path(_MODULES_CACHE)
-
-
-@pytest.fixture
-def checkpoint_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
-    """A private copy of the tiny checkpoint that a test may break."""
-    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "Boogu-Image"))

@@ -24,10 +24,10 @@ from transformers.utils import is_torchvision_available
 
 from boogu_adapters.components import build_local_engine
 from boogu_adapters.loading import load_boogu, load_processor
-from boogu_adapters.tiny import ensure_tiny_checkpoint
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_schedule import WindowPlan, derive_seed
+from boogu_tiny.checkpoints import ensure_tiny_checkpoint
 from tests.upstream import import_upstream
 
 (upstream_pipeline,) = import_upstream(

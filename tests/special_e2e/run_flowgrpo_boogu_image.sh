@@ -39,7 +39,7 @@ RUNS="$WORK_DIR/runs"
 mkdir -p "$DATA_IN"
 
 echo "== [1/4] tiny checkpoint -> $TINY"
-"${PY[@]}" -m boogu_adapters.tiny --output-dir "$TINY" ${SOURCE_MODEL:+--source-model "$SOURCE_MODEL"}
+"${PY[@]}" -m boogu_tiny.checkpoints --output-dir "$TINY" ${SOURCE_MODEL:+--source-model "$SOURCE_MODEL"}
 
 echo "== [2/4] $MODE dataset -> $DATA_OUT"
 if [ "$MODE" = t2i ]; then

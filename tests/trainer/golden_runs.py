@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help=f"write the hashes to {GOLDEN.name}")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     args = parser.parse_args(argv)
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
+    from boogu_tiny.checkpoints import ensure_tiny_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="boogu-golden-") as tmp:
         tiny = Path(ensure_tiny_checkpoint(Path(tmp) / "tiny"))

@@ -87,7 +87,7 @@ def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
     assert all(Scene.from_json(r.ground_truth).pairs() & TEST_PAIRS for r in test)
     # The committed checkpoint's pretraining scenes, in stream order, divided by caption.
     report = json.loads(
-        resources.files("boogu_adapters").joinpath("assets/tiny_scenes/pretrain_report.json").read_text()
+        resources.files("boogu_tiny").joinpath("assets/tiny_scenes/pretrain_report.json").read_text()
     )
     assert (report["config"]["seed"], report["config"]["scene_layout"]) == (SCENES_SEED, SCENES_LAYOUT)
     stream = generate_scenes(SCENES_SEED, "train", 600, layout=SCENES_LAYOUT)

@@ -239,7 +239,7 @@ def test_dry_run_of_a_training_step_on_two_fake_gpus(tmp_path):
     """FlowGRPO, edit rows, two ranks (FSDP2 on the fake process group), mid-size model on fake CUDA
     in bf16: one rollout, one update, one evaluation call, with every device, generator and
     collective check on; the memory of each phase measured and planned."""
-    from boogu_adapters.tiny import ensure_tiny_checkpoint
+    from boogu_tiny.checkpoints import ensure_tiny_checkpoint
 
     tiny = ensure_tiny_checkpoint(tmp_path / "Boogu-Image")
     result = dryrun.run_case(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from boogu_adapters.tiny import (
+from boogu_tiny.checkpoints import (
     MARKER_NAME,
     TRAINED_ASSETS,
     AssetError,
@@ -22,7 +22,7 @@ from boogu_adapters.tiny import (
     save_trained_assets,
     verify_trained_assets,
 )
-from boogu_adapters.tiny import (
+from boogu_tiny.checkpoints import (
     main as tiny_main,
 )
 

@@ -94,7 +94,9 @@ def _row(values, rows: int, r: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a tiny Boogu checkpoint folder (boogu_adapters.tiny)")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a tiny Boogu checkpoint folder (boogu_tiny.checkpoints)"
+    )
     args = parser.parse_args()
     checkpoint = args.checkpoint.resolve()
     assert (checkpoint / "transformer").is_dir(), f"{checkpoint} is not a Boogu checkpoint folder"

@@ -130,7 +130,9 @@ def tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a tiny Boogu checkpoint folder (boogu_adapters.tiny)")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a tiny Boogu checkpoint folder (boogu_tiny.checkpoints)"
+    )
     parser.add_argument("targets", help="the trainer's LoRA target modules, comma-separated")
     args = parser.parse_args()
     # The trainer's targets (boogu_adapters.model.LORA_TARGET_MODULES; the rollout env has no boogu_adapters).

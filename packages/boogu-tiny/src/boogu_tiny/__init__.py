@@ -1,10 +1,11 @@
-"""The tiny Boogu organism's builds, out of the trainer: the scenes pretraining (`scenes_pretrain`,
-``boogu-tiny-pretrain``) and the Edit pretraining (`edit_pretrain`, ``boogu-tiny-edit-pretrain``).
+"""The tiny Boogu organism (docs/tiny-model.md), its own package below the trainer:
 
-The random build, the install of the committed checkpoints and their manifest stay in
-``boogu_adapters.tiny`` (``boogu-tiny``) for now: the trainer installs them at run time
-(``model.tiny``), and these builds score with the trainer's scene verifiers, so moving them here
-would make the two packages need each other (docs/tiny-model.md).
+- `checkpoints` (``boogu-tiny``): the random build with the released folder layout, and the install
+  of the committed pretrained scenes checkpoint (``assets/tiny_scenes/``) checked against its
+  manifest; the trainer calls it at run time for ``model.tiny``.
+- `verify`: the scene and scene-edit verifiers (the trainer's ``scene_*`` rewards wrap them).
+- `scenes_pretrain` (``boogu-tiny-pretrain``) and `edit_pretrain` (``boogu-tiny-edit-pretrain``): the
+  builds of the pretrained checkpoints.
 """
 
 __version__ = "0.1.0"

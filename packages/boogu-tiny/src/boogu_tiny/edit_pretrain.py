@@ -39,11 +39,11 @@ from PIL import Image
 from boogu_adapters.encoding import encode_prompts, vae_to_latents
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.step import pad_features
-from boogu_adapters.tiny import DEFAULT_TRAINED_PATH, ensure_trained_checkpoint
 from boogu_data import PromptRecord
 from boogu_data.atomic import commit_folder, stage_folder
 from boogu_data.scene_edits import SceneEdit, generate_edits
 from boogu_data.scenes import render, render_objects
+from boogu_tiny.checkpoints import DEFAULT_TRAINED_PATH, ensure_trained_checkpoint
 from boogu_tiny.scenes_pretrain import (
     PretrainConfig,
     _save_transformer,
@@ -56,7 +56,7 @@ from boogu_tiny.scenes_pretrain import (
     verdict_grid,
     write_report,
 )
-from boogu_trainer.rewards.scene_edit import scene_edit_dense, scene_edit_exact
+from boogu_tiny.verify import score_edits
 
 __all__ = ["EditPretrainConfig", "edit_pretrain", "main"]
 
@@ -152,7 +152,7 @@ def sample_edits(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One ODE sample per edit row with the parts' transformer; (images, exact, dense)."""
     images = ode_samples(parts, records, config.eval_steps, config.eval_guidance, 64, seed=seed)
-    return images, scene_edit_exact()(images, records), scene_edit_dense()(images, records)
+    return images, score_edits(images, records), score_edits(images, records, dense=True)
 
 
 def evaluation_pairs(config: EditPretrainConfig) -> dict[str, list[SceneEdit]]:

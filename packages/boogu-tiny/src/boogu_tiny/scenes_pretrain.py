@@ -4,7 +4,7 @@
 
 1. **Scenes** (:mod:`boogu_data.scenes`): ``train_scenes`` train captions and renders, drawn from the
    scene set's own seeded streams; the val and test splits hold out colour-shape pairs.
-2. **The rest of the checkpoint**: the tiny random build (:func:`boogu_adapters.tiny.ensure_tiny_checkpoint`,
+2. **The rest of the checkpoint**: the tiny random build (:func:`boogu_tiny.checkpoints.ensure_tiny_checkpoint`,
    seed 42): processor, scheduler, the tiny Qwen3-VL text encoder, with a text side of its own
    (``scene_vocabulary``): the byte-level tokenizer also learns the scene words (:func:`scene_corpus`),
    so every colour, shape, number and relation is one token, and the text encoder is rebuilt for
@@ -23,13 +23,13 @@
    caption is replaced by the empty negative prompt with probability ``cond_dropout``, so CFG works.
    AdamW, warm-up then cosine decay; the saved weights are an EMA of the trained ones.
 5. **Evaluation**: PSNR of the VAE on held-out renders; the ``scene_exact``/``scene_dense`` verifier
-   (:mod:`boogu_trainer.rewards.scene`) on samples of val and test prompts (ODE, ``eval_steps`` steps,
+   (:mod:`boogu_tiny.verify`) on samples of val and test prompts (ODE, ``eval_steps`` steps,
    CFG ``eval_guidance``), one sample per prompt, the seeds fixed.
 
 The output folder is a complete checkpoint in the released layout (every loader and engine reads it
 unchanged) plus ``pretrain_report.json`` (settings, stage times, losses, the scores) and
 ``samples.png`` (val prompts, with each image's verdict). ``--save-assets`` then copies it into
-``boogu_adapters/assets/tiny_scenes/`` with a manifest of hashes: what ``boogu-tiny --trained``
+``boogu_tiny/assets/tiny_scenes/`` with a manifest of hashes: what ``boogu-tiny --trained``
 installs. Deterministic for a seed and thread count (``threads``, default 1): the data, the
 initialisations and every draw come from seeded generators, and the CPU kernels used reduce in a
 fixed order for a fixed thread count. One thread is the default because it is also the fastest
@@ -71,19 +71,19 @@ from boogu_adapters.encoding import decode_latents, encode_prompts, vae_to_laten
 from boogu_adapters.loading import load_boogu
 from boogu_adapters.model import TINY_CONFIG, BooguImageTransformer2DModel, get_freqs_cis
 from boogu_adapters.step import _forward, pad_features
-from boogu_adapters.tiny import (
-    RELEASED_SCHEDULER_CONFIG,
-    ensure_tiny_checkpoint,
-    save_trained_assets,
-    write_text_side,
-)
 from boogu_adapters.types import RolloutRequest
 from boogu_data import PromptRecord
 from boogu_data.atomic import check_replaceable, commit_folder, folder_manifest, stage_folder
 from boogu_data.scenes import COLOURS, NUMBERS, RELATIONS, SHAPES, generate_scenes, render
 from boogu_schedule import BooguScheduleConfig, boogu_sigmas, flow_target, forward_noise, make_generator
 from boogu_schedule.sde import Sampler
-from boogu_trainer.rewards.scene import scene_dense, scene_exact
+from boogu_tiny.checkpoints import (
+    RELEASED_SCHEDULER_CONFIG,
+    ensure_tiny_checkpoint,
+    save_trained_assets,
+    write_text_side,
+)
+from boogu_tiny.verify import score_scenes
 
 __all__ = [
     "FlowBatch",
@@ -151,7 +151,7 @@ class PretrainConfig:
     ema_decay: float = 0.999
     cond_dropout: float = 0.1
     scene_vocabulary: bool = True
-    """Give the checkpoint a text side of its own (:func:`boogu_adapters.tiny.write_text_side`): the
+    """Give the checkpoint a text side of its own (:func:`boogu_tiny.checkpoints.write_text_side`): the
     tokenizer also learns the scene words (one token each: "circle" was five byte pieces), the
     random frozen text encoder is sized to it. ``False`` keeps the random build's."""
     eval_every: int = 1500
@@ -490,7 +490,7 @@ def sample_and_score(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One ODE sample per record with the parts' transformer; (images, exact, dense)."""
     images = ode_samples(parts, records, config.eval_steps, config.eval_guidance, config.size, seed=seed)
-    return images, scene_exact()(images, records), scene_dense()(images, records)
+    return images, score_scenes(images, records, "exact"), score_scenes(images, records, "dense")
 
 
 def ode_samples(
@@ -609,7 +609,7 @@ def pretrain(
         recon = reconstruct(vae, val_images)
         vae_psnr = psnr(recon, val_images)
         val_records = _records(evals["val"], "val")
-        recon_exact = float(scene_exact()(recon, val_records).mean())
+        recon_exact = float(score_scenes(recon, val_records, "exact").mean())
         times["vae"] = time.perf_counter() - t
         log(
             f"vae: {sum(p.numel() for p in vae.parameters()):,} parameters, val PSNR {vae_psnr:.2f} dB, "
@@ -773,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--save-assets",
         action="store_true",
-        help="also copy the result into boogu_adapters/assets/tiny_scenes (what boogu-tiny --trained installs)",
+        help="also copy the result into boogu_tiny/assets/tiny_scenes (what boogu-tiny --trained installs)",
     )
     parser.add_argument(
         "--set",

@@ -67,7 +67,7 @@ def base_model_path(config: TrainerConfig) -> Path:
     """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
     if config.model.path:
         return Path(config.model.path).expanduser()
-    from boogu_adapters.tiny import ensure_tiny_checkpoint, ensure_trained_checkpoint
+    from boogu_tiny.checkpoints import ensure_tiny_checkpoint, ensure_trained_checkpoint
 
     folder = Path(base_model_name(config)).expanduser()
     if config.model.tiny == "scenes":

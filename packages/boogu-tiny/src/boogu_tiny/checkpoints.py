@@ -731,7 +731,7 @@ def _build(root: Path, *, source: Path | None, seed: int) -> None:
         root / MARKER_NAME,
         {
             "kind": "random",
-            "builder": "boogu_adapters.tiny",
+            "builder": "boogu_tiny.checkpoints",
             "builder_version": BUILDER_VERSION,
             "boogu_adapters_version": __version__,
             "seed": seed,

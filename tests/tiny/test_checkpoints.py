@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from boogu_adapters import tiny
 from boogu_adapters.loading import load_boogu, load_processor, load_schedule_config
 from boogu_adapters.model import get_freqs_cis
-from boogu_adapters.tiny import (
+from boogu_tiny import checkpoints as tiny
+from boogu_tiny.checkpoints import (
     DEFAULT_SEED,
     MARKER_NAME,
     ensure_tiny_checkpoint,
