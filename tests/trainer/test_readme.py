@@ -5,27 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from boogu_trainer.config import config_reference_markdown, learners_table_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_config_reference_is_current():
+@pytest.mark.parametrize(
+    ("part", "generate"),
+    [("config-reference", config_reference_markdown), ("learners", learners_table_markdown)],
+)
+def test_readme_generated_parts_are_current(part, generate):
+    # The config reference (field docstrings) and the learners' table (config.algorithms.BUILTIN).
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("<!-- config-reference")
-    body = readme[readme.index("\n", start) + 1 : readme.index("<!-- /config-reference -->")]
-    assert body.strip() == config_reference_markdown().strip(), (
-        "regenerate with: uv run python tools/update_readme_config.py"
-    )
-
-
-def test_readme_learners_table_is_generated_from_the_one_list():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("<!-- learners")
-    body = readme[readme.index("\n", start) + 1 : readme.index("<!-- /learners -->")]
-    assert body.strip() == learners_table_markdown().strip(), (
-        "regenerate with: uv run python tools/update_readme_config.py"
-    )
+    start = readme.index(f"<!-- {part}")
+    body = readme[readme.index("\n", start) + 1 : readme.index(f"<!-- /{part} -->")]
+    assert body.strip() == generate().strip(), "regenerate with: uv run python tools/update_readme_config.py"
 
 
 def test_ci_runs_the_readme_test_command():
