@@ -550,14 +550,16 @@ def score_edits(
     instructions: list[EditInstruction | None] = []
     references = []
     for i, record in enumerate(records):
-        try:
-            instructions.append(parse_instruction(record.instruction))
-            references.append(_decode(record, height, width))
+        try:  # both or neither: a row whose reference cannot be read keeps no instruction
+            instruction, reference = parse_instruction(record.instruction), _decode(record, height, width)
         except (ValueError, OSError) as error:
             if on_error == "raise":
                 raise VerifyError(f"sample {i}: {error}") from None
             instructions.append(None)
             references.append(torch.full((3, height, width), 255, dtype=torch.uint8))
+            continue
+        instructions.append(instruction)
+        references.append(reference)
     options = {"colour_threshold": colour_threshold, "min_area": min_area}
     sources = detect_objects(torch.stack(references), **options)
     outputs = detect_objects(images, **options)
