@@ -418,6 +418,12 @@ def main() -> None:
         "--quick: a temporary folder)",
     )
     parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="scenes: a table of finished runs only: every run asked for must be in --results (the "
+        "missing ones are listed and nothing is trained)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -462,6 +468,8 @@ def main() -> None:
         parser.error("--regime: with --task scenes only")
     if args.keep_checkpoint and args.task != "scenes":
         parser.error("--keep-checkpoint: with --task scenes only")
+    if args.load_only and (args.task != "scenes" or args.quick):
+        parser.error("--load-only: with --task scenes and without --quick")
     if args.task == "scenes":
         import algorithms_scenes
 

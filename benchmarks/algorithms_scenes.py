@@ -585,10 +585,23 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     results = Path(args.results).expanduser()
     results.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    missing = [
+        f"{name}_s{seed}.json"
+        for name in names
+        for seed in seeds
+        if not (results / f"{name}_s{seed}.json").is_file()
+    ]
+    if getattr(args, "load_only", False) and missing:
+        raise SystemExit(
+            f"--load-only: {len(missing)} of the {len(names) * len(seeds)} runs asked for are not in "
+            f"{results}: {', '.join(missing)}; nothing was trained (ask for the seeds and recipes done, or "
+            "drop --load-only to run them)"
+        )
     runs: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         runs[name] = []
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for seed in seeds:
             settings = {
                 "config": config_to_dict(run_config(name, seed, "runs", extra[name], regime)),
                 "budget_fe": budget,

@@ -435,6 +435,15 @@ def test_algorithms_scenes_quick_and_resumed(tmp_path, monkeypatch, capsys):
     # the same command loads the finished runs; another setting for one of them is refused by name
     run_script("algorithms.py", [*common, "--algorithms", "awm"], monkeypatch)
     assert "awm seed 0: loaded from" in capsys.readouterr().out
+    # a table of finished runs only: a run not in the folder is named and nothing trains
+    no_quick = [a for a in common if a != "--quick"]
+    with pytest.raises(
+        SystemExit, match=r"--load-only: 1 of the 2 runs .* awm_s1\.json; nothing was trained"
+    ):
+        run_script(
+            "algorithms.py", [*no_quick, "--algorithms", "awm", "--seeds", "2", "--load-only"], monkeypatch
+        )
+    assert not (results / "awm_s1.json").exists() and not (results / "base_s1.json").exists()
     with pytest.raises(SystemExit, match=r"awm_s0\.json was written with other settings"):
         run_script(
             "algorithms.py", [*common, "--algorithms", "awm", "--set", "awm:optim.lr=5e-4"], monkeypatch
