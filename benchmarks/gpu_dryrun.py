@@ -10,7 +10,7 @@ collective. It reports the host reads inside the rollout/update loops (those by 
 name), the peak live memory of each phase, and ``trainer --plan``'s figure for the same phase.
 
     python3 benchmarks/gpu_dryrun.py [--preset released|mid|tiny] [--world-size N]
-        [--cases flow_grpo-t2i,awm-edit,...] [--sampler-steps K] [--json out.json]
+        [--cases flow_grpo-t2i,awm-edit,...] [--sampler-steps K] [--set KEY=VALUE ...] [--json out.json]
 
 Batch per rank: the fewest prompts whose calls have the recipe's shapes (one rollout micro-batch,
 whole training micro-batches; ``dryrun.shape_preserving_prompts``); the evaluation call takes
@@ -53,12 +53,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sampler-steps", type=int, default=None, help="rollout denoising steps (default: the recipe's)"
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a trainer config override on top of each case's recipe, e.g. sampler.image_guidance_scale=2 "
+        "(repeatable)",
+    )
+    parser.add_argument(
         "--tiny-checkpoint", default=None, help="the tiny checkpoint (processor, scheduler); built if missing"
     )
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    bad = [item for item in args.set if "=" not in item or not item.partition("=")[0]]
+    if bad:
+        parser.error(f"--set: expected KEY=VALUE (a trainer config key), got {bad}")
     names = [f"{a}-{t}" for a in ALGORITHMS for t in TASKS]
     args.case_list = [c for c in args.cases.split(",") if c] or names
     unknown = [c for c in args.case_list if c not in names]
@@ -77,11 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "world_size": args.world_size,
         "sampler_steps": args.sampler_steps,
+        "overrides": args.set,
         "cases": {},
     }
     with tempfile.TemporaryDirectory(prefix="gpu_dryrun-") as tmp:
         tiny = ensure_tiny_checkpoint(Path(args.tiny_checkpoint or Path(tmp) / "Boogu-Image"))
         overrides = [f"sampler.num_steps={args.sampler_steps}"] if args.sampler_steps else []
+        overrides += args.set
         print(
             f"{'case':22s} {'ok':>3s} {'s':>6s} {'loop reads':>10s} {'by design':>9s} "
             f"{'rollout GiB (plan)':>19s} {'train GiB (plan)':>17s} {'step GiB (plan)':>16s}"

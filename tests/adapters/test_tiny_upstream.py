@@ -106,13 +106,16 @@ def _upstream_sample(pipe, monkeypatch, **kwargs) -> tuple[torch.Tensor, torch.T
     return z, (out.images * 255).round().to(torch.uint8)
 
 
-def _ours(parts, cfg_mode: str, record: PromptRecord, guidance: float, height=32, width=32):
+def _ours(
+    parts, cfg_mode: str, record: PromptRecord, guidance: float, height=32, width=32, image_guidance=1.0
+):
     engine = build_local_engine(parts, cfg_mode=cfg_mode)
     request = RolloutRequest(  # the trainer's evaluation request (boogu_trainer.evaluation)
         records=[record],
         group_size=1,
         num_steps=STEPS,
         guidance_scale=guidance,
+        image_guidance_scale=image_guidance,
         noise_level=0.0,
         window=WindowPlan(kind="fixed", size=0, start=0),
         height=height,
@@ -160,13 +163,23 @@ def test_t2i_call_equals_the_engine(upstream_pipe, our_parts, monkeypatch, cfg_m
 
 
 @pytest.mark.parametrize(
-    ("cfg_mode", "guidance"), [("sequential", 1.0), ("sequential", 4.0), ("batched", 4.0)]
+    ("cfg_mode", "guidance", "image_guidance"),
+    [
+        ("sequential", 1.0, 1.0),
+        ("sequential", 4.0, 1.0),
+        ("batched", 4.0, 1.0),
+        # upstream's image guidance: alone (cond vs drop_image), and double (drop_text, drop_all)
+        ("sequential", 1.0, 2.0),
+        ("batched", 1.0, 2.0),
+        ("sequential", 4.0, 2.0),
+        ("batched", 4.0, 2.0),
+    ],
 )
 def test_edit_call_matches_the_engine(
-    upstream_pipe, our_parts, reference_png, monkeypatch, cfg_mode, guidance
+    upstream_pipe, our_parts, reference_png, monkeypatch, cfg_mode, guidance, image_guidance
 ):
     record = PromptRecord(instruction="make it blue", ref_image=reference_png)
-    z_ours, images_ours = _ours(our_parts, cfg_mode, record, guidance)
+    z_ours, images_ours = _ours(our_parts, cfg_mode, record, guidance, image_guidance=image_guidance)
     # The engine's group stream first seeds the reference's posterior draw (VaeCodec), then the noise.
     stream = torch.Generator().manual_seed(derive_seed(SEED, 0))
     posterior_seed = int(torch.randint(0, 2**62, (1,), generator=stream).item())
@@ -177,7 +190,8 @@ def test_edit_call_matches_the_engine(
         monkeypatch,
         instruction="make it blue",
         input_images=[Image.open(io.BytesIO(reference_png)).convert("RGB")],
-        text_guidance_scale=guidance,  # image_guidance_scale 1.0: text-only guidance, reference kept
+        text_guidance_scale=guidance,
+        image_guidance_scale=image_guidance,  # 1.0: text-only guidance, reference kept
         latents=noise,
     )
     assert images_up.shape == images_ours.shape == (1, 3, 32, 48)

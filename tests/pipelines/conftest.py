@@ -16,12 +16,19 @@ POS, NEG = 1.0, -1.0  # feature markers the fake encoder writes and the fake tra
 
 
 class RecordingTransformer(torch.nn.Module):
-    """Predicts ``pos_value`` for positive prompts and ``neg_value`` for negative ones."""
+    """Predicts ``pos_value`` for positive prompts and ``neg_value`` for negative ones, plus
+    ``ref_value`` for a sample given reference latents (so that image guidance's branches differ)."""
 
-    def __init__(self, pos_value: float = 3.0, neg_value: float = 1.0, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        pos_value: float = 3.0,
+        neg_value: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+        ref_value: float = 0.0,
+    ):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros((), dtype=dtype))
-        self.pos_value, self.neg_value = pos_value, neg_value
+        self.pos_value, self.neg_value, self.ref_value = pos_value, neg_value, ref_value
         self.calls: list[dict] = []
 
     def forward(
@@ -45,7 +52,11 @@ class RecordingTransformer(torch.nn.Module):
                 batch=hidden_states.shape[0],
             )
         )
-        value = torch.where(marker > 0, self.pos_value, self.neg_value).to(hidden_states.dtype)
+        value = torch.where(marker > 0, self.pos_value, self.neg_value)
+        if ref_image_hidden_states is not None:
+            has_ref = torch.tensor([bool(r) for r in ref_image_hidden_states])
+            value = value + self.ref_value * has_ref
+        value = value.to(hidden_states.dtype)
         return value.view(-1, 1, 1, 1).expand_as(hidden_states) + self.weight * 0
 
 

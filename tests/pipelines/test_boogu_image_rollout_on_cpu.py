@@ -9,7 +9,7 @@ from boogu_adapters.engines import LocalRolloutEngine
 from boogu_adapters.recompute import TransitionRecompute
 from boogu_adapters.types import RolloutRequest
 from boogu_schedule import BooguScheduleConfig, WindowPlan, boogu_sigmas
-from tests.pipelines.conftest import RecordingTransformer, fake_encoder, record
+from tests.pipelines.conftest import FakeCodec, RecordingTransformer, fake_encoder, record
 
 RELEASED = BooguScheduleConfig.released()
 
@@ -150,3 +150,82 @@ def test_a_groups_samples_do_not_depend_on_the_other_groups_in_the_request():
     alone = engine.generate(RolloutRequest([record("second")], group_offset=1, **common))
     assert torch.equal(both.latents[3:], alone.latents) and both.window[3:] == alone.window
     assert both.group_id.tolist() == [0, 0, 0, 1, 1, 1] and alone.group_id.tolist() == [1, 1, 1]
+
+
+# Edit image guidance (upstream's TI2I branches): the fake transformer predicts 2 for the instruction,
+# 1 for the negative, plus 0.5 with the reference. So cond 2.5, drop_text 1.5, drop_image 2, drop_all 1.
+IMAGE_GUIDANCE_CASES = [
+    # (text scale, image scale, velocity the step gets, forwards per sample-step)
+    (4.0, 1.0, -(2.5 + 3 * 1.0), 2),  # text CFG, the negative keeps the reference
+    (1.0, 3.0, -(2.5 + 2 * 0.5), 2),  # image guidance alone: the instruction without the reference
+    (4.0, 3.0, -(2.5 + 3 * 1.0 + 2 * 0.5), 3),  # double guidance
+]
+
+
+def _edit_run(model, guidance, image_guidance, cfg_mode, ref=b"png-bytes"):
+    engine = LocalRolloutEngine(
+        model,
+        encode_prompts=fake_encoder,
+        codec=FakeCodec(),
+        schedule_config=RELEASED,
+        freqs_cis=[],
+        latent_channels=4,
+        cfg_mode=cfg_mode,
+    )
+    request = RolloutRequest(
+        [record(ref=ref)],
+        group_size=2,
+        num_steps=4,
+        guidance_scale=guidance,
+        image_guidance_scale=image_guidance,
+        height=16,
+        width=16,
+        decode=False,
+        window=WindowPlan(kind="fixed", size=2, start=1),
+    )
+    return engine, engine.generate(request)
+
+
+@pytest.mark.parametrize("cfg_mode", ["batched", "sequential"])
+@pytest.mark.parametrize(("guidance", "image_guidance", "velocity", "branches"), IMAGE_GUIDANCE_CASES)
+def test_edit_image_guidance_branches_before_negation(
+    step_recorder, cfg_mode, guidance, image_guidance, velocity, branches
+):
+    model = RecordingTransformer(pos_value=2.0, neg_value=1.0, ref_value=0.5)
+    engine, traj = _edit_run(model, guidance, image_guidance, cfg_mode)
+    for call in step_recorder.calls:
+        assert torch.equal(call["velocity"], torch.full_like(call["velocity"], velocity))
+    assert traj.nfe == 2 * 4 * branches == engine.stats.transformer_sample_forwards
+    assert (
+        len(model.calls) == engine.stats.transformer_calls == (4 if cfg_mode == "batched" else 4 * branches)
+    )
+    assert traj.image_guidance_scale == image_guidance and traj.guidance_scale == guidance
+    # Which rows took the reference: per branch, upstream's inputs (drop_image/drop_all: none).
+    first = model.calls[: 1 if cfg_mode == "batched" else branches]
+    rows = [(float(m), bool(r)) for c in first for m, r in zip(c["marker"], c["refs"] or [None] * c["batch"])]
+    expected = {
+        2: [(1.0, True), (-1.0, True)] if guidance != 1.0 else [(1.0, True), (1.0, False)],
+        3: [(1.0, True), (-1.0, True), (-1.0, False)],
+    }[branches]
+    assert rows == [row for row in expected for _ in range(2)]  # two samples per branch, in order
+    # Training recomputes the same velocity through the same branches (bitwise log-probs).
+    step_recorder.calls.clear()
+    stats = TransitionRecompute([]).step_stats(model, traj, 0)
+    (call,) = step_recorder.calls
+    assert torch.equal(call["velocity"], torch.full_like(call["velocity"], velocity))
+    assert torch.equal(stats.log_prob, traj.log_prob[:, 0])
+
+
+@pytest.mark.parametrize("cfg_mode", ["batched", "sequential"])
+def test_image_guidance_is_ignored_without_a_reference(step_recorder, cfg_mode):
+    # Upstream forces image_guidance_scale to 1 for T2I: the text CFG forwards only.
+    model = RecordingTransformer(pos_value=2.0, neg_value=1.0, ref_value=0.5)
+    _, traj = _edit_run(model, 4.0, 3.0, cfg_mode, ref=None)
+    for call in step_recorder.calls:
+        assert torch.equal(call["velocity"], torch.full_like(call["velocity"], -5.0))
+    assert traj.nfe == 2 * 4 * 2 and all(c["refs"] is None for c in model.calls)
+
+
+def test_image_guidance_below_one_is_refused():
+    with pytest.raises(ValueError, match="image_guidance_scale must be >= 1"):
+        RolloutRequest([record()], image_guidance_scale=0.5)

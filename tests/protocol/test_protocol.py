@@ -99,6 +99,8 @@ def test_rollout_spec_validates_each_field_by_name():
         "decode": (spec(decode="yes"), "spec.decode must be true or false"),
         "micro batch": (spec(micro_batch_size=-1), "spec.micro_batch_size must be an int >= 0"),
         "micro batch type": (spec(micro_batch_size=2.0), "spec.micro_batch_size must be an int >= 0"),
+        "image guidance": (spec(image_guidance_scale=0.5), r"spec.image_guidance_scale must be >= 1"),
+        "image guidance type": (spec(image_guidance_scale="2"), r"spec.image_guidance_scale must be >= 1"),
     }
     for data, message in cases.values():
         with pytest.raises(ProtocolError, match=message):
@@ -107,6 +109,9 @@ def test_rollout_spec_validates_each_field_by_name():
     old_spec = spec()
     del old_spec["micro_batch_size"]  # a trainer from before the field: the whole request at once
     assert RolloutSpec.from_json(old_spec).micro_batch_size == 0
+    assert RolloutSpec.from_json(spec(image_guidance_scale=2.5)).image_guidance_scale == 2.5
+    del old_spec["image_guidance_scale"]  # a trainer from before the field: no image guidance
+    assert RolloutSpec.from_json(old_spec).image_guidance_scale == 1.0
     missing = spec()
     del missing["seed"]
     with pytest.raises(ProtocolError, match=r"lacks the fields \['seed'\]"):

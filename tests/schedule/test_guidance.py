@@ -87,3 +87,47 @@ def test_uses_cfg_is_the_predicate_text_cfg_applies(g):
             text_cfg(pos, None, g)
     else:
         assert text_cfg(pos, None, g) is pos
+
+
+# Upstream's branch choice (pipeline_boogu.py's denoising loop; docs/upstream-model.md §9.7):
+# TI2I tg>1 and ig>1: cond, drop_text, drop_all; TI2I ig>1 only: cond, drop_image; text CFG:
+# cond, drop_text (upstream's T2I "uncond" has no references either way); image guidance needs references.
+BRANCH_CASES = [
+    (1.0, 1.0, False, ("cond",)),
+    (4.0, 1.0, False, ("cond", "drop_text")),
+    (1.0, 2.0, False, ("cond",)),
+    (4.0, 2.0, False, ("cond", "drop_text")),
+    (1.0, 1.0, True, ("cond",)),
+    (4.0, 1.0, True, ("cond", "drop_text")),
+    (1.0, 2.0, True, ("cond", "drop_image")),
+    (4.0, 2.0, True, ("cond", "drop_text", "drop_all")),
+]
+
+
+@pytest.mark.parametrize(("tg", "ig", "edit", "branches"), BRANCH_CASES)
+def test_guidance_branches_follow_upstream(tg, ig, edit, branches):
+    from boogu_schedule import guidance_branches
+
+    assert guidance_branches(tg, ig, edit=edit) == branches
+
+
+@pytest.mark.parametrize(("tg", "ig", "edit", "branches"), BRANCH_CASES)
+def test_combine_guidance_is_upstreams_formula_for_its_branches(tg, ig, edit, branches):
+    from boogu_schedule import combine_guidance
+
+    # Per branch a distinct constant: cond 2.5, drop_text 1.5, drop_image 2, drop_all 1.
+    value = {"cond": 2.5, "drop_text": 1.5, "drop_image": 2.0, "drop_all": 1.0}
+    predictions = [torch.full((2, 3), value[b]) for b in branches]
+    expected = {
+        ("cond",): 2.5,
+        ("cond", "drop_text"): 2.5 + (tg - 1) * (2.5 - 1.5),
+        ("cond", "drop_image"): 2.5 + (ig - 1) * (2.5 - 2.0),
+        ("cond", "drop_text", "drop_all"): 2.5 + (tg - 1) * (2.5 - 1.5) + (ig - 1) * (1.5 - 1.0),
+    }[branches]
+    out = combine_guidance(predictions, tg, ig, edit=edit)
+    assert torch.equal(out, torch.full((2, 3), expected))
+    with pytest.raises(ValueError, match="predictions for the branches"):
+        combine_guidance([*predictions, predictions[0]], tg, ig, edit=edit)
+    if len(predictions) > 1:
+        with pytest.raises(ValueError, match="differ"):
+            combine_guidance([predictions[0], *(p[:1] for p in predictions[1:])], tg, ig, edit=edit)

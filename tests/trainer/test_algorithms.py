@@ -287,3 +287,53 @@ def test_forward_process_learners_train_edit_rows_with_their_reference(
     first = seen[0]
     assert not torch.equal(first[0], first[-1]), "the first and the last row carry the same reference"
     assert math.isfinite(record["loss"]) and record["optimizer_steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flow_grpo", "diffusion_nft", "awm"])
+def test_every_learner_trains_edit_rows_under_double_guidance(name, tiny_checkpoint, tmp_path, monkeypatch):
+    """Edit rows rolled out with upstream's double guidance (text 2, image 2: three forwards a step)
+    and trained at the rollout's scales: flow_grpo recomputes the window's log-probs through the same
+    three branches (bitwise: its first step is on-policy to the bit), and the guided forward-process
+    learners train the guided velocity (three rows per training forward)."""
+    import boogu_adapters.step as step_module
+    from tests.trainer.golden_runs import edit_rows
+
+    path = edit_rows(tmp_path)
+    common = ["sampler.guidance_scale=2.0", "sampler.image_guidance_scale=2.0", "algorithm.mini_batches=1"]
+    if name == "flow_grpo":
+        extra = ["sampler.window_size=2", "sampler.window_range=[0,3]"]
+    else:
+        short = FORWARD_OPTIONS_KEYS[name]
+        extra = ["sampler.window_size=0", f"algorithm.{short}.timesteps=1", f"algorithm.{short}.guided=true"]
+    cfg = make(
+        tiny_checkpoint,
+        tmp_path / "run",
+        f"algorithm.name={name}",
+        *common,
+        *extra,
+        f"data.train_files=[{path}]",
+        "total_steps=1",
+    )
+    scales: list[tuple[float, float]] = []
+    real = step_module.boogu_velocity
+
+    def spy(transformer, x, sigma, cond, guidance_scale, *args, **kwargs):
+        if torch.is_grad_enabled():  # the training forwards (the rollout's run without autograd)
+            scales.append((guidance_scale, kwargs.get("image_guidance_scale", 1.0)))
+        return real(transformer, x, sigma, cond, guidance_scale, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "boogu_velocity", spy)
+    if name != "flow_grpo":
+        import boogu_trainer.algorithms.renoise as fp
+
+        monkeypatch.setattr(fp, "boogu_velocity", spy)
+    (record,) = Trainer(cfg).train()
+    assert record["edit_samples"] == record["samples"] == 2 * cfg.algorithm.group_size
+    assert record["fe/rollout_per_image"] == 3 * cfg.sampler.num_steps
+    assert scales and set(scales) == {(2.0, 2.0)}, scales
+    if name == "flow_grpo":
+        assert record["logprob_diff/step0"] == 0.0 and record["logprob_diff/step1"] == 0.0
+    else:
+        assert record["fe/train_per_image"] == 9  # three guidance rows of each of the three forwards
+    assert math.isfinite(record["loss"]) and record["optimizer_steps"] == 1

@@ -132,6 +132,9 @@ def test_bad_values_name_the_key(override, needle):
         (["distributed.timeout_s=.inf"], "distributed.timeout_s", "inf"),
         (["sampler.noise_level=.inf"], "sampler.noise_level", "inf"),
         (["sampler.guidance_scale=nan"], "sampler.guidance_scale", "nan"),
+        (["sampler.image_guidance_scale=0.5"], "sampler.image_guidance_scale", "0.5"),
+        (["sampler.image_guidance_scale=nan"], "sampler.image_guidance_scale", "nan"),
+        (["eval.image_guidance_scale=0.9"], "eval.image_guidance_scale", "0.9"),
         (["sampler.window_stride=0"], "sampler.window_stride", "0"),
         (["sampler.window_every=0"], "sampler.window_every", "0"),
         (["sampler.window_range=[4, 2]"], "sampler.window_range", "(4, 2)"),
@@ -163,6 +166,13 @@ def test_load_time_validation_names_key_and_value(overrides, key, value):
         ["sampler.window_size=null", "sampler.window_range=[0, 3]"],
         ["optim.betas=[0.0, 0.5]", "optim.weight_decay=0", "eval.every=0", "logging.sample_every=0"],
         ["seed=9223372036854775807"],  # 2**63 - 1
+        # guided NFT with image guidance alone: edit rows have a guided velocity without text CFG
+        [
+            "algorithm.name=diffusion_nft",
+            "sampler.guidance_scale=1",
+            "sampler.image_guidance_scale=1.5",
+            "algorithm.nft.guided=true",
+        ],
     ],
 )
 def test_valid_edges_load(overrides):

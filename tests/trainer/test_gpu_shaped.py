@@ -104,12 +104,13 @@ def test_rollout_micro_batches_equal_the_whole_batch(tiny_parts):
         assert got.window == whole.window
 
 
-@pytest.mark.parametrize("kind", ["t2i-cfg", "edit-cfg", "t2i-no-cfg"])
+@pytest.mark.parametrize("kind", ["t2i-cfg", "edit-cfg", "t2i-no-cfg", "edit-image-no-cfg", "edit-image-cfg"])
 def test_a_remote_rollout_books_the_flops_the_local_engine_measures(kind, tiny_parts):
     """The vllm-omni worker's rollout FLOPs, booked from the trajectory's layout
     (`FlopMeter.book_remote_rollout`), equal what the FLOP meter's hooks measure when the local
     engine runs the same request: every step, the positive forward and, with CFG, the negative one
-    (its own prompt length, the same references). The worker runs each forward whole, so the local
+    (its own prompt length, the same references); with image guidance the forwards without the
+    references (upstream's drop_image, or drop_all in double guidance). The worker runs each forward whole, so the local
     engine's reuse of the text path across steps (`RolloutTextCache`) is off for the comparison."""
     import io
 
@@ -133,13 +134,21 @@ def test_a_remote_rollout_books_the_flops_the_local_engine_measures(kind, tiny_p
     engine = build_local_engine(tiny_parts, max_sequence_length=256, cache_text_path=False)
     meter = FlopMeter(engine.transformer)
     try:
-        traj = engine.generate(_request(records=records, guidance_scale=1.0 if "no-cfg" in kind else 2.0))
+        traj = engine.generate(
+            _request(
+                records=records,
+                guidance_scale=1.0 if "no-cfg" in kind else 2.0,
+                image_guidance_scale=1.5 if "image" in kind else 1.0,
+            )
+        )
         measured = meter.take()
         meter.book_remote_rollout(traj)
         booked = meter.take()
     finally:
         meter.close()
     assert traj.conditioning.is_edit == kind.startswith("edit")
+    branches = {"t2i-no-cfg": 1, "edit-image-no-cfg": 2, "edit-image-cfg": 3}.get(kind, 2)
+    assert traj.nfe == branches * traj.batch_size * 4
     assert measured["perf/tflops_rollout"] > 0 and measured["perf/tflops_worker"] == 0
     assert booked["perf/tflops"] == 0  # not this process's FLOPs
     assert booked["perf/tflops_worker"] == pytest.approx(measured["perf/tflops_rollout"], rel=1e-12)

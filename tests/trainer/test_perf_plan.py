@@ -236,6 +236,24 @@ def test_plan_of_the_demo_recipe(tiny_checkpoint):
     assert "expected peak" in text and "largest rollout.micro_batch_size" in text
 
 
+def test_plan_counts_one_row_per_guidance_branch(tiny_checkpoint):
+    """Batched CFG holds every guidance branch of a latent in one call: two rows with text CFG, three
+    with Edit double guidance (image guidance only matters with reference images)."""
+    base = demo_config()
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, tiny_path=str(tiny_checkpoint)))
+
+    def plan(image_guidance: float, references: int):
+        sampler = dataclasses.replace(base.sampler, guidance_scale=4.0, image_guidance_scale=image_guidance)
+        config = dataclasses.replace(base, sampler=sampler)
+        return plan_memory(config, world_size=1, device_type="cpu", reference_images=references)
+
+    text, double, t2i = plan(1.0, 1), plan(2.0, 1), plan(2.0, 0)
+    assert "CFG x2 sample-forwards per rollout latent" in text.render()
+    assert "CFG x3 sample-forwards per rollout latent" in double.render()
+    assert "CFG x2 sample-forwards per rollout latent" in t2i.render()
+    assert double.phases["rollout"].bytes > text.phases["rollout"].bytes
+
+
 def test_trainer_plan_command_prints_the_plan_without_training(tiny_checkpoint, tmp_path, capsys):
     from boogu_trainer.cli import main
 

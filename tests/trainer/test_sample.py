@@ -404,6 +404,24 @@ def test_a_run_on_read_only_storage_is_read_past_a_dead_writers_temporary(
     assert staging.is_dir() and f"cannot remove {staging}" in caplog.text
 
 
+def test_an_edit_is_sampled_with_image_guidance(checkpoint, tmp_path, capsys):
+    """``--image-guidance`` reaches the edit's request: the image differs from the unguided one."""
+    ref = tmp_path / "ref.png"
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(buf, format="PNG")
+    ref.write_bytes(buf.getvalue())
+    base = ["--checkpoint", str(checkpoint), "--prompt", "make it blue", "--image", str(ref), "--steps", "2"]
+    outputs = {}
+    for name, extra in (("plain", []), ("guided", ["--image-guidance", "3"])):
+        assert sample_cli.main([*base, *extra, "--output", str(tmp_path / name)]) == 0, (
+            capsys.readouterr().err
+        )
+        (png,) = sorted(p for p in (tmp_path / name).glob("*.png") if p.name != "grid.png")
+        outputs[name] = np.asarray(Image.open(png))
+    assert outputs["plain"].shape == outputs["guided"].shape
+    assert not np.array_equal(outputs["plain"], outputs["guided"])
+
+
 def test_reference_image_the_edit_rules_refuse(checkpoint, tmp_path, capsys):
     ref = tmp_path / "ref.png"
     buf = io.BytesIO()
@@ -447,6 +465,12 @@ def test_the_config_of_a_demo_run_loads_back(tmp_path):
         ("--guidance", "0.5", "--guidance 0.5: expected a finite number >= 1"),
         ("--seed", str(10**20), f"--seed {10**20}: expected a whole number in [0, 2**63)"),
         ("--seed", "-1", "--seed -1: expected a whole number in [0, 2**63)"),
+        ("--image-guidance", "0.5", "--image-guidance 0.5: expected a finite number >= 1"),
+        (
+            "--image-guidance",
+            "2",
+            "--image-guidance guides an edit by its reference image: give --image REF too",
+        ),
     ],
 )
 def test_sampling_arguments_that_would_be_silently_different_are_refused(

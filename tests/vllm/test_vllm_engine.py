@@ -59,12 +59,15 @@ EDIT = [
 ]
 
 
-def request(records, guidance_scale: float, seed: int = 5) -> RolloutRequest:
+def request(
+    records, guidance_scale: float, seed: int = 5, image_guidance_scale: float = 1.0
+) -> RolloutRequest:
     return RolloutRequest(
         records,
         group_size=2,
         num_steps=4,
         guidance_scale=guidance_scale,
+        image_guidance_scale=image_guidance_scale,
         height=32,
         width=32,
         seed=seed,
@@ -142,6 +145,21 @@ def test_worker_trajectories_equal_the_local_engines(worker, base_engine, record
     assert remote.weights_version == 0
     if records is EDIT:
         assert remote.conditioning.is_edit and remote.images.shape[-2:] == (32, 48)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["image_only", "double"])
+def test_worker_image_guidance_equals_the_local_engines(worker, base_engine, guidance):
+    """Upstream's Edit image guidance in the worker (vllm-omni's multi-branch CFG dispatch, combined by
+    the trainer's rule): the forward without the reference latents, alone or as double guidance, gives
+    the local engine's trajectory, and its forwards are counted alike."""
+    req = request(EDIT, guidance, image_guidance_scale=2.0)
+    remote, local = worker.generate(req), base_engine.generate(req)
+    diffs = assert_agree(remote, local)
+    print(f"max |vllm-omni - local| (edit, g={guidance}, image guidance 2):", diffs)
+    assert remote.image_guidance_scale == local.image_guidance_scale == 2.0
+    assert remote.nfe == local.nfe == req.batch_size * req.num_steps * (3 if guidance > 1 else 2)
+    plain = base_engine.generate(request(EDIT, guidance))
+    assert max_diff(plain.final_latents, local.final_latents) > 1e-3  # the guidance did something
 
 
 def test_lora_sync_round_trip(worker, base_engine, tiny_checkpoint):

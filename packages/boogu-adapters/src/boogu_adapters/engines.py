@@ -387,10 +387,10 @@ class LocalRolloutEngine(EngineBookkeeping):
         return output_size(request.height, request.width, sizes)
 
     # ---- the denoising loop --------------------------------------------------------------------
-    def _calls_per_step(self, batch: int, guidance_scale: float) -> int:
+    def _calls_per_step(self, batch: int, branches: int) -> int:
         mb = self.micro_batch_size or batch
         chunks = -(-batch // mb)
-        return chunks * (2 if (uses_cfg(guidance_scale) and self.cfg_mode != "batched") else 1)
+        return chunks * (branches if self.cfg_mode != "batched" else 1)
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> Trajectory:
@@ -416,6 +416,8 @@ class LocalRolloutEngine(EngineBookkeeping):
         x = initial_noise(group_gens, n, (self.latent_channels, h, w), self.device)
         # The conditioning and the weights are fixed for the whole rollout: every step shares its inputs.
         text_cache = RolloutTextCache() if self.cache_text_path else None
+        guidance = (request.guidance_scale, request.image_guidance_scale)
+        per_step = forwards_per_step(batch, *guidance, edit=cond.is_edit)
 
         def velocity(x: torch.Tensor, sigma: torch.Tensor, i: int) -> torch.Tensor:
             with self._timer("transformer"):
@@ -429,9 +431,10 @@ class LocalRolloutEngine(EngineBookkeeping):
                     cfg_mode=self.cfg_mode,
                     micro_batch_size=self.micro_batch_size,
                     text_cache=text_cache,
+                    image_guidance_scale=request.image_guidance_scale,
                 )
-            self.stats.transformer_calls += self._calls_per_step(batch, request.guidance_scale)
-            self.stats.transformer_sample_forwards += forwards_per_step(batch, request.guidance_scale)
+            self.stats.transformer_calls += self._calls_per_step(batch, per_step // batch)
+            self.stats.transformer_sample_forwards += per_step
             return v
 
         out = sample_windowed(
@@ -461,10 +464,11 @@ class LocalRolloutEngine(EngineBookkeeping):
             conditioning=cond,
             final_latents=x,
             images=images,
-            nfe=forwards_per_step(batch, request.guidance_scale) * steps,
+            nfe=per_step * steps,
             sampler=request.sampler,
             noise_level=request.noise_level,
             guidance_scale=request.guidance_scale,
+            image_guidance_scale=request.image_guidance_scale,
             weights_version=self._version,
             cfg_mode=self.cfg_mode,
         )

@@ -84,6 +84,7 @@ class TransitionRecompute:
         window = self.rows(trajectory.latents, rows)
         kwargs = dict(
             guidance_scale=trajectory.guidance_scale,
+            image_guidance_scale=trajectory.image_guidance_scale,
             freqs_cis=self.freqs_cis,
             sampler=trajectory.sampler,
             noise_level=trajectory.noise_level,

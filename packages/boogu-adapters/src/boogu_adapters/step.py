@@ -24,7 +24,15 @@ import torch
 
 from boogu_adapters.model.transformer import InstructionCache
 from boogu_adapters.types import Conditioning
-from boogu_schedule import Sampler, SdeStep, boogu_time, text_cfg, uses_cfg
+from boogu_schedule import (
+    Sampler,
+    SdeStep,
+    boogu_time,
+    combine_guidance,
+    guidance_branches,
+    uses_cfg,
+)
+from boogu_schedule.guidance import BRANCH_INPUTS, GuidanceBranch
 from boogu_schedule.hot import per_iteration
 from boogu_schedule.sampling import sde_transition
 
@@ -75,9 +83,10 @@ def _forward(transformer, x, t, hidden, mask, refs, freqs_cis, lengths=None, cac
     return getattr(out, "sample", out)
 
 
-Branch = Literal["positive", "negative", "both"]
-"""Which prompt features a forward takes: the positive ones, the negative ones, or both stacked
-(batched CFG: positive rows first, each side right-padded to the longer one)."""
+Branches = tuple[GuidanceBranch, ...]
+"""The guidance branches one transformer call takes (`boogu_schedule.guidance_branches`): one of
+them, or several stacked along the batch (batched CFG: in that order, each right-padded to the
+longest instruction)."""
 
 
 @dataclass(frozen=True)
@@ -91,25 +100,35 @@ class _ForwardInputs:
 
 
 def _branch_inputs(
-    cond: Conditioning, branch: Branch, dtype: torch.dtype, refs: list | None
+    cond: Conditioning, branches: Branches, dtype: torch.dtype, refs: list | None
 ) -> _ForwardInputs:
-    """The inputs of ``branch``; ``refs`` (``_ref_inputs`` of ``cond``) is shared by both branches."""
-    if branch == "positive":
-        return _ForwardInputs(cond.hidden_states.to(dtype), cond.attention_mask, refs, cond.lengths)
-    neg_hidden = cond.negative_hidden_states.to(dtype)
-    if branch == "negative":
-        return _ForwardInputs(neg_hidden, cond.negative_attention_mask, refs, cond.negative_lengths)
-    # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
-    hidden = cond.hidden_states.to(dtype)
-    length = max(hidden.shape[1], neg_hidden.shape[1])
-    h_pos, m_pos = pad_features(hidden, cond.attention_mask, length)
-    h_neg, m_neg = pad_features(neg_hidden, cond.negative_attention_mask, length)
-    lengths, neg_lengths = cond.lengths, cond.negative_lengths
+    """The inputs of ``branches``; ``refs`` (``_ref_inputs`` of ``cond``) is shared by all of them.
+
+    ``drop_text`` keeps the reference latents (upstream's text-only TI2I guidance); ``drop_image``
+    and ``drop_all`` take none (upstream's image guidance).
+    """
+    parts = []
+    for branch in branches:
+        positive, keeps_refs = BRANCH_INPUTS[branch]
+        if positive:
+            hidden, mask, lengths = cond.hidden_states.to(dtype), cond.attention_mask, cond.lengths
+        else:
+            assert cond.negative_hidden_states is not None and cond.negative_attention_mask is not None
+            hidden, mask = cond.negative_hidden_states.to(dtype), cond.negative_attention_mask
+            lengths = cond.negative_lengths
+        parts.append((hidden, mask, lengths, refs if keeps_refs else None))
+    if len(parts) == 1:
+        hidden, mask, lengths, branch_refs = parts[0]
+        return _ForwardInputs(hidden, mask, branch_refs, lengths)
+    length = max(p[0].shape[1] for p in parts)
+    padded = [pad_features(p[0], p[1], length) for p in parts]
+    rows = cond.batch_size
+    stacked_refs = [r for p in parts for r in (p[3] if p[3] is not None else [None] * rows)]
     return _ForwardInputs(
-        torch.cat([h_pos, h_neg]),
-        torch.cat([m_pos, m_neg]),
-        None if refs is None else refs + refs,
-        None if lengths is None or neg_lengths is None else lengths + neg_lengths,
+        torch.cat([h for h, _ in padded]),
+        torch.cat([m for _, m in padded]),
+        None if all(r is None for r in stacked_refs) else stacked_refs,
+        None if any(p[2] is None for p in parts) else tuple(n for p in parts for n in p[2]),
     )
 
 
@@ -133,9 +152,9 @@ class RolloutTextCache:
         self._entries: dict[tuple[Any, ...], tuple[_ForwardInputs, InstructionCache]] = {}
 
     def entry(
-        self, cond: Conditioning, rows: tuple[int, int] | None, branch: Branch, dtype: torch.dtype
+        self, cond: Conditioning, rows: tuple[int, int] | None, branch: Branches, dtype: torch.dtype
     ) -> tuple[_ForwardInputs, InstructionCache]:
-        """The inputs of ``branch`` for the rows ``rows`` (None: all) of ``cond``, and the
+        """The inputs of the branches ``branch`` for the rows ``rows`` (None: all) of ``cond``, and the
         `InstructionCache` of the forwards that take them; built on first use."""
         if self.cond is None:
             self.cond = cond
@@ -146,7 +165,7 @@ class RolloutTextCache:
         hit = self._entries.get((rows, branch, dtype))
         if hit is None:
             part = self._parts.get((rows, dtype))
-            if part is None:  # the rows and their reference inputs, one list for both branches
+            if part is None:  # the rows and their reference inputs, one list for every branch
                 rows_cond = cond if rows is None else cond.slice(*rows)
                 part = self._parts[(rows, dtype)] = (rows_cond, _ref_inputs(rows_cond.ref_latents, dtype))
             inputs = _branch_inputs(part[0], branch, dtype, part[1])
@@ -166,38 +185,48 @@ def boogu_velocity(
     cfg_mode: CfgMode = "batched",
     micro_batch_size: int = 0,
     text_cache: RolloutTextCache | None = None,
+    image_guidance_scale: float = 1.0,
 ) -> torch.Tensor:
     """Guided Boogu velocity ``x0 - eps`` as float32, before negation.
 
     Args:
         latents: (B, C, h, w) float32 running latent.
         sigma: (B,) float32 noise levels; the transformer receives ``t = 1 - sigma``.
-        cfg_mode: ``"batched"`` runs positive and negative in one forward of 2B samples (equal to the
-            sequential result within float tolerance, faster); ``"sequential"`` runs two forwards.
+        cfg_mode: ``"batched"`` runs the guidance branches in one forward of (branches x B) samples
+            (equal to the sequential result within float tolerance, faster); ``"sequential"`` runs
+            one forward per branch.
         micro_batch_size: at most this many latents per transformer call (consecutive rows;
             0 = all). Without gradients only (a RuntimeError under autograd): a training step splits
             its rows itself, so that each micro-batch's activations are freed by its own backward.
         text_cache: one :class:`RolloutTextCache` for every step of a rollout over ``cond`` (without
             autograd): the text path then runs once per rollout; None builds everything per call.
+        image_guidance_scale: upstream's Edit image guidance (1: off; no effect without reference
+            latents). The branches and their combination are `boogu_schedule.guidance_branches` /
+            `combine_guidance`: with text CFG too, upstream's double guidance (three forwards).
     """
     if latents.dtype != torch.float32 or sigma.dtype != torch.float32:
         raise TypeError(
             f"boogu_velocity: latents and sigma must be float32, got {latents.dtype}, {sigma.dtype}"
         )
+    batch = latents.shape[0]
+    if 0 < micro_batch_size < batch and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"boogu_velocity: micro_batch_size={micro_batch_size} is for forwards without gradients "
+            "(torch.no_grad or inference_mode); a training step splits its rows itself, so that each "
+            "micro-batch's backward frees its activations"
+        )
     if uses_cfg(guidance_scale) and cond.negative_hidden_states is None:
         raise ValueError(
             f"guidance_scale={guidance_scale} needs negative prompt features; the conditioning has none"
         )
-    if uses_cfg(guidance_scale) and cfg_mode not in ("batched", "sequential"):
+    if image_guidance_scale < 1.0:
+        raise ValueError(f"image_guidance_scale must be >= 1, got {image_guidance_scale}")
+    # One set of branches for every micro-batch: whether the whole batch edits, as upstream's task type.
+    branches = guidance_branches(guidance_scale, image_guidance_scale, edit=cond.is_edit)
+    if len(branches) > 1 and cfg_mode not in ("batched", "sequential"):
         raise ValueError(f"cfg_mode must be 'batched' or 'sequential', got {cfg_mode!r}")
-    batch = latents.shape[0]
+    guidance = (guidance_scale, image_guidance_scale, cond.is_edit)
     if 0 < micro_batch_size < batch:
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"boogu_velocity: micro_batch_size={micro_batch_size} is for forwards without gradients "
-                "(torch.no_grad or inference_mode); a training step splits its rows itself, so that each "
-                "micro-batch's backward frees its activations"
-            )
         return torch.cat(
             [
                 _velocity(
@@ -206,7 +235,8 @@ def boogu_velocity(
                     sigma[i : i + micro_batch_size],
                     cond,
                     (i, min(i + micro_batch_size, batch)),
-                    guidance_scale,
+                    branches,
+                    guidance,
                     freqs_cis,
                     cfg_mode,
                     text_cache,
@@ -214,7 +244,9 @@ def boogu_velocity(
                 for i in range(0, batch, micro_batch_size)
             ]
         )
-    return _velocity(transformer, latents, sigma, cond, None, guidance_scale, freqs_cis, cfg_mode, text_cache)
+    return _velocity(
+        transformer, latents, sigma, cond, None, branches, guidance, freqs_cis, cfg_mode, text_cache
+    )
 
 
 def _velocity(
@@ -223,37 +255,40 @@ def _velocity(
     sigma: torch.Tensor,
     cond: Conditioning,
     rows: tuple[int, int] | None,
-    guidance_scale: float,
+    branches: Branches,
+    guidance: tuple[float, float, bool],
     freqs_cis: Sequence[torch.Tensor],
     cfg_mode: CfgMode,
     text_cache: RolloutTextCache | None,
 ) -> torch.Tensor:
-    """`boogu_velocity` of the rows ``rows`` of ``cond`` (None: all of them)."""
+    """`boogu_velocity` of the rows ``rows`` of ``cond`` (None: all of them); ``guidance``: the text
+    and image scales and whether the batch edits, ``branches`` their `guidance_branches`."""
     dtype = model_dtype(transformer)
     x = latents.to(dtype)
     t = boogu_time(sigma).to(dtype)  # (B,) Boogu time: 0 = noise, 1 = data
 
     if text_cache is None:
         part = cond if rows is None else cond.slice(*rows)
-        refs = _ref_inputs(part.ref_latents, dtype)  # one list for both branches
+        refs = _ref_inputs(part.ref_latents, dtype)  # one list for every branch
 
-    def forward(branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward(call: Branches, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if text_cache is None:
-            inputs, cache = _branch_inputs(part, branch, dtype, refs), None
+            inputs, cache = _branch_inputs(part, call, dtype, refs), None
         else:
-            inputs, cache = text_cache.entry(cond, rows, branch, dtype)
+            inputs, cache = text_cache.entry(cond, rows, call, dtype)
         return _forward(
             transformer, x, t, inputs.hidden, inputs.mask, inputs.refs, freqs_cis, inputs.lengths, cache
         )
 
-    if not uses_cfg(guidance_scale):
-        return forward("positive", x, t).float()
+    if len(branches) == 1:
+        return forward(branches, x, t).float()
     if cfg_mode == "batched":
-        v_pos, v_neg = forward("both", torch.cat([x, x]), torch.cat([t, t])).float().chunk(2)
+        k = len(branches)
+        predictions = forward(branches, x.repeat(k, 1, 1, 1), t.repeat(k)).float().chunk(k)
     else:
-        v_pos = forward("positive", x, t).float()
-        v_neg = forward("negative", x, t).float()
-    return text_cfg(v_pos, v_neg, guidance_scale)
+        predictions = tuple(forward((branch,), x, t).float() for branch in branches)
+    scale, image_scale, edit = guidance
+    return combine_guidance(predictions, scale, image_scale, edit=edit)
 
 
 def transition(
@@ -270,13 +305,25 @@ def transition(
     generator: torch.Generator | None = None,
     prev_sample: torch.Tensor | None = None,
     cfg_mode: CfgMode = "batched",
+    image_guidance_scale: float = 1.0,
 ) -> SdeStep:
     """One denoising step ``sigma -> sigma_next`` (both (B,) float32) through the model and the SDE."""
-    v_boogu = boogu_velocity(transformer, latents, sigma, cond, guidance_scale, freqs_cis, cfg_mode=cfg_mode)
+    v_boogu = boogu_velocity(
+        transformer,
+        latents,
+        sigma,
+        cond,
+        guidance_scale,
+        freqs_cis,
+        cfg_mode=cfg_mode,
+        image_guidance_scale=image_guidance_scale,
+    )
     # The rollout loop's own transition (negation + step), so the recomputed log-prob is the rollout's.
     return sde_transition(sampler, latents, v_boogu, sigma, sigma_next, noise_level, generator, prev_sample)
 
 
-def forwards_per_step(batch_size: int, guidance_scale: float) -> int:
-    """Transformer sample-forwards one step costs."""
-    return batch_size * (2 if uses_cfg(guidance_scale) else 1)
+def forwards_per_step(
+    batch_size: int, guidance_scale: float, image_guidance_scale: float = 1.0, *, edit: bool = False
+) -> int:
+    """Transformer sample-forwards one step costs: one per guidance branch (`guidance_branches`)."""
+    return batch_size * len(guidance_branches(guidance_scale, image_guidance_scale, edit=edit))

@@ -48,6 +48,10 @@ class RolloutRequest:
     """N: denoising steps."""
     guidance_scale: float = 4.0
     """Text CFG scale; 1.0 skips the negative forward (half the rollout cost)."""
+    image_guidance_scale: float = 1.0
+    """Upstream's Edit image guidance (``boogu_schedule.guidance_branches``): on edit rows above 1
+    it adds a forward without the reference latents (a third one with text CFG); ignored, as
+    upstream ignores it, when no record has a reference image."""
     sampler: Sampler = Sampler.FLOW_SDE
     """Transition kernel inside the window."""
     noise_level: float = 0.7
@@ -76,6 +80,10 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest.num_steps must be >= 1, got {self.num_steps}")
         if self.guidance_scale < 1.0:
             raise ValueError(f"RolloutRequest.guidance_scale must be >= 1, got {self.guidance_scale}")
+        if self.image_guidance_scale < 1.0:
+            raise ValueError(
+                f"RolloutRequest.image_guidance_scale must be >= 1, got {self.image_guidance_scale}"
+            )
         try:
             check_output_size(self.height, self.width)
         except OutputSizeError as error:
@@ -216,13 +224,16 @@ class Trajectory:
     images: torch.Tensor | None
     """(B, 3, H, W) uint8, or None when the request did not decode."""
     nfe: int
-    """Transformer sample-forwards spent on this batch (B * N, or B * 2N with CFG)."""
+    """Transformer sample-forwards spent on this batch (B * N times the guidance branches: 2 with
+    text CFG, 3 with Edit double guidance)."""
     sampler: Sampler
     """The window's transition kernel."""
     noise_level: float
     """eta inside the window."""
     guidance_scale: float
     """The text CFG scale the rollout used (training must use the same)."""
+    image_guidance_scale: float = 1.0
+    """The image guidance scale the rollout used (training must use the same; 1: off)."""
     weights_version: int = 0
     """The engine's weights version when this batch was generated."""
     cfg_mode: Literal["batched", "sequential"] = "batched"

@@ -338,6 +338,7 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
             group_size=request.group_size,
             num_steps=request.num_steps,
             guidance_scale=float(request.guidance_scale),
+            image_guidance_scale=float(request.image_guidance_scale),
             sampler=str(request.sampler),
             noise_level=float(request.noise_level),
             window=window,
@@ -439,6 +440,7 @@ class VllmOmniRolloutEngine(EngineBookkeeping):
             sampler=request.sampler,
             noise_level=request.noise_level,
             guidance_scale=request.guidance_scale,
+            image_guidance_scale=request.image_guidance_scale,
             weights_version=int(meta["weights_version"]),
             # The worker runs positive and negative as two forwards (or on two CFG-parallel ranks).
             cfg_mode="sequential",

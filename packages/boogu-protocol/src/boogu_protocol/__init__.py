@@ -274,6 +274,9 @@ class RolloutSpec:
     micro_batch_size: int = 0
     """At most this many samples per transformer call and per VAE decode (the trainer's
     ``rollout.micro_batch_size``); 0 = every sample of the request in one call, as before this field."""
+    image_guidance_scale: float = 1.0
+    """Upstream's Edit image guidance (``boogu_schedule.guidance_branches``); 1 = off, as before
+    this field."""
     protocol: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -334,6 +337,7 @@ class RolloutSpec:
             "group_size": (int, lambda v: v >= 1, ">= 1"),
             "num_steps": (int, lambda v: v >= 1, ">= 1"),
             "guidance_scale": ((int, float), lambda v: v >= 1.0, ">= 1"),
+            "image_guidance_scale": ((int, float), lambda v: v >= 1.0, ">= 1 (1 = off)"),
             "noise_level": ((int, float), lambda v: v >= 0.0, ">= 0"),
             "height": (int, lambda v: v > 0, "> 0"),
             "width": (int, lambda v: v > 0, "> 0"),
@@ -343,7 +347,9 @@ class RolloutSpec:
             "micro_batch_size": (int, lambda v: v >= 0, "an int >= 0 (0 = the whole request at once)"),
         }
         for name, (types, ok, expected) in checks.items():
-            value = data.get(name, 0)
+            if name not in data:
+                continue  # a field with a default (the required ones were checked above)
+            value = data[name]
             if isinstance(value, bool) or not isinstance(value, types) or not ok(value):
                 raise ProtocolError(f"spec.{name} must be {expected}, got {value!r}")
         return cls(**{**data, "groups": tuple(parsed)})

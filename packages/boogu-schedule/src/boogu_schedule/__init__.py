@@ -7,7 +7,8 @@ Conventions (the contract of this package; every one has a test that fails if it
   data), like diffusers' flow-matching schedulers. The transformer receives ``t = boogu_time(sigma)``.
 * **Velocity.** Boogu predicts ``v_boogu = x0 - eps``. The SDE math uses ``v = eps - x0``:
   ``to_sde_velocity`` negates exactly once, after CFG and before the step.
-* **Guidance.** Text CFG is ``v_pos + (g - 1) * (v_pos - v_neg)`` on Boogu velocities, no renormalisation.
+* **Guidance.** Text CFG is ``v_pos + (g - 1) * (v_pos - v_neg)`` on Boogu velocities, no renormalisation;
+  Edit's image guidance adds upstream's reference-free branches (``guidance_branches``, ``combine_guidance``).
 * **Forward process.** Re-noising a clean sample is ``x_t = t * x0 + (1 - t) * eps`` and its
   target is the raw ``x0 - eps`` (``forward_noise``, ``flow_target``; no negation there).
 * **Float32.** Everything that feeds a log-probability is float32; the step functions refuse other dtypes.
@@ -17,7 +18,10 @@ Conventions (the contract of this package; every one has a test that fails if it
 from boogu_schedule.forward import flow_target, forward_noise, predict_x0, sample_sigmas
 from boogu_schedule.guidance import (
     DEFAULT_GUIDANCE_SCALE,
+    GuidanceBranch,
+    combine_guidance,
     double_guidance,
+    guidance_branches,
     image_guidance,
     text_cfg,
     uses_cfg,
@@ -55,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_GUIDANCE_SCALE",
     "BooguScheduleConfig",
+    "GuidanceBranch",
     "Sampler",
     "SdeStep",
     "SdeWindow",
@@ -64,6 +69,7 @@ __all__ = [
     "boogu_sigmas",
     "boogu_time",
     "boogu_timesteps",
+    "combine_guidance",
     "derive_seed",
     "double_guidance",
     "euler_step_boogu",
@@ -73,6 +79,7 @@ __all__ = [
     "full_window",
     "gaussian_kl",
     "generator_factory",
+    "guidance_branches",
     "image_guidance",
     "make_generator",
     "plan_windows",

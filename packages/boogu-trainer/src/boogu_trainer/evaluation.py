@@ -57,6 +57,7 @@ def deterministic_request(
     seed: int,
     group_size: int = 1,
     group_offset: int = 0,
+    image_guidance_scale: float = 1.0,
 ) -> RolloutRequest:
     """The evaluation path: ODE steps only (an empty SDE window, noise level 0), decoded images.
 
@@ -68,6 +69,7 @@ def deterministic_request(
         group_size=group_size,
         num_steps=num_steps,
         guidance_scale=guidance_scale,
+        image_guidance_scale=image_guidance_scale,
         noise_level=0.0,
         window=WindowPlan(kind="fixed", size=0, start=0),
         height=height,
@@ -136,6 +138,13 @@ class Evaluator:
         g = self.eval_config.guidance_scale
         return self.sampler.guidance_scale if g is None else g
 
+    @property
+    def image_guidance_scale(self) -> float:
+        """The evaluation's image guidance (edit rows): ``eval.image_guidance_scale``, else the
+        rollouts' ``sampler.image_guidance_scale``."""
+        g = self.eval_config.image_guidance_scale
+        return self.sampler.image_guidance_scale if g is None else g
+
     def due(self, step: int) -> bool:
         every = self.eval_config.every
         return bool(every and self.records and (step % every == 0 or step == self.total_steps))
@@ -155,6 +164,7 @@ class Evaluator:
             records,
             num_steps=self.eval_config.num_steps,
             guidance_scale=self.guidance_scale,
+            image_guidance_scale=self.image_guidance_scale,
             height=s.height,
             width=s.width,
             seed=self.seed,

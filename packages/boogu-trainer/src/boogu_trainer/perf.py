@@ -39,7 +39,8 @@ from torch import nn
 
 from boogu_adapters.model.flops import FlopModel, lora_ranks_from_model
 from boogu_adapters.model.layout import TokenLayout
-from boogu_schedule import uses_cfg
+from boogu_schedule import guidance_branches
+from boogu_schedule.guidance import BRANCH_INPUTS
 from boogu_schedule.seeding import make_generator
 
 __all__ = [
@@ -308,8 +309,9 @@ class FlopMeter:
 
     def book_remote_rollout(self, trajectory: Any) -> None:
         """Book the model FLOPs of a rollout another process ran (the vllm-omni worker), from the
-        ``trajectory``'s layout: each of its N steps runs every sample's positive forward and, with
-        CFG, its negative one (same target and references, the negative prompt's tokens). The LoRA's
+        ``trajectory``'s layout: each of its N steps runs every sample's forward once per guidance
+        branch (``boogu_schedule.guidance_branches``: the positive one; with CFG the negative prompt's
+        tokens; with image guidance the same without the references). The LoRA's
         FLOPs count once the worker serves trained weights (``weights_version`` > 0). They go to
         ``perf/tflops_worker``, not to this process's ``perf/tflops`` (nor its MFU)."""
         cond = trajectory.conditioning
@@ -321,14 +323,22 @@ class FlopMeter:
         model = self._with_lora if trajectory.weights_version > 0 else self._without_lora
         steps = int(trajectory.sigmas.numel()) - 1
 
-        def forward(lengths: Any, mask: torch.Tensor) -> int:
+        def forward(lengths: Any, mask: torch.Tensor, references: list) -> int:
             text = list(lengths) if lengths is not None else mask.to(torch.bool).sum(dim=1).tolist()
-            layout = TokenLayout(text_lengths=text, target_grids=[grid] * batch, reference_grids=refs)
+            layout = TokenLayout(text_lengths=text, target_grids=[grid] * batch, reference_grids=references)
             return model.forward(layout).total
 
-        flops = forward(cond.lengths, cond.attention_mask)
-        if uses_cfg(trajectory.guidance_scale):
-            flops += forward(cond.negative_lengths, cond.negative_attention_mask)
+        flops = 0
+        for branch in guidance_branches(
+            trajectory.guidance_scale, trajectory.image_guidance_scale, edit=cond.is_edit
+        ):
+            positive, keeps_refs = BRANCH_INPUTS[branch]
+            text = (
+                (cond.lengths, cond.attention_mask)
+                if positive
+                else (cond.negative_lengths, cond.negative_attention_mask)
+            )
+            flops += forward(*text, refs if keeps_refs else [[]] * batch)
         self._remote += steps * flops
 
     # ---- results -------------------------------------------------------------------------------

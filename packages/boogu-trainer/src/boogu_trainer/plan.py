@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from boogu_schedule import uses_cfg
+from boogu_schedule import guidance_branches, uses_cfg
 
 __all__ = [
     "FLOOR_BYTES_PER_PIXEL",
@@ -616,8 +616,8 @@ def plan_memory(
     (``boogu_protocol.resolve_device_type``: ``auto`` is cuda when CUDA is available, else cpu; plan a
     GPU run from a machine without one with ``model.device=cuda``). ``reference_images``: reference images per
     prompt (edit data), each at the output size: their tokens join every transformer call.
-    Rollout micro-batches count latents (x2 sample-forwards with CFG batched), training ones samples
-    (x2 with CFG).
+    Rollout micro-batches count latents (one sample-forward per guidance branch when batched: x2 with
+    CFG, x3 with Edit double guidance), training ones samples (the same rows).
     """
     from boogu_adapters.lora import add_lora  # noqa: F401  (fails early without peft)
     from boogu_protocol import resolve_device_type
@@ -666,17 +666,27 @@ def plan_memory(
     p = int(tcfg.get("patch_size", 2))
     grid = (s.height // 8 // p, s.width // 8 // p)
     batched = config.rollout.cfg_mode == "batched"
-    # A sampling call holds both CFG rows when the rollouts or the evaluation (eval.guidance_scale) use CFG.
-    sampled_guidance = [s.guidance_scale] + (
-        [config.eval.guidance_scale] if config.eval.every and config.eval.guidance_scale is not None else []
+    # A batched sampling call holds one row per guidance branch (boogu_schedule.guidance_branches: two
+    # with text CFG, three with Edit double guidance), for the rollouts' scales and the evaluation's.
+    edit = reference_images > 0
+    e = config.eval
+    sampled_guidance = [(s.guidance_scale, s.image_guidance_scale)] + (
+        [
+            (
+                s.guidance_scale if e.guidance_scale is None else e.guidance_scale,
+                s.image_guidance_scale if e.image_guidance_scale is None else e.image_guidance_scale,
+            )
+        ]
+        if e.every
+        else []
     )
-    cfg_rows = 2 if batched and any(uses_cfg(g) for g in sampled_guidance) else 1
+    branches = max(len(guidance_branches(g, ig, edit=edit)) for g, ig in sampled_guidance)
+    cfg_rows = branches if batched else 1
     a = config.algorithm
     opts = a.forward_options
-    # NFT and AWM train the conditional velocity unless `guided` (then both CFG rows, as flow_grpo)
-    train_rows = (
-        1 if opts is not None and not opts.guided else (2 if batched and uses_cfg(s.guidance_scale) else 1)
-    )
+    # NFT and AWM train the conditional velocity unless `guided` (then every guidance row, as flow_grpo)
+    rollout_branches = len(guidance_branches(s.guidance_scale, s.image_guidance_scale, edit=edit))
+    train_rows = 1 if opts is not None and not opts.guided else (rollout_branches if batched else 1)
     per_rank = max(config.data.prompts_per_step * a.group_size // world_size, 1)
     if opts is not None:
         levels = opts.timesteps if opts.timesteps is not None else s.num_steps - 1

@@ -548,6 +548,7 @@ def check_weight_sync(trainer: PreflightTarget, records: list) -> CheckResult:
             records[:1],
             num_steps=SYNC_PROBE_STEPS,
             guidance_scale=s.guidance_scale,
+            image_guidance_scale=s.image_guidance_scale,
             height=s.height,
             width=s.width,
             seed=derive_seed(trainer.config.seed, "preflight", 1),

@@ -209,6 +209,7 @@ class SampleSpec:
     seed: int | None = None
     height: int | None = None
     width: int | None = None
+    image_guidance: float | None = None
 
 
 def sample(
@@ -258,6 +259,9 @@ def sample(
             group_size=spec.num_images,
             num_steps=spec.steps or config.eval.num_steps,
             guidance_scale=config.sampler.guidance_scale if spec.guidance is None else spec.guidance,
+            image_guidance_scale=config.sampler.image_guidance_scale
+            if spec.image_guidance is None
+            else spec.image_guidance,
             height=height,
             width=width,
             seed=seed,
@@ -607,6 +611,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="G",
         help="text CFG scale, a finite number >= 1 (default: the run's sampler.guidance_scale)",
     )
+    parser.add_argument(
+        "--image-guidance",
+        type=float,
+        metavar="G",
+        help="with --image: the edit's image guidance scale, a finite number >= 1 "
+        "(default: the run's sampler.image_guidance_scale; 1 turns it off)",
+    )
     parser.add_argument("--seed", type=int, metavar="S", help="seed, in [0, 2**63) (default: the run's seed)")
     parser.add_argument(
         "--height",
@@ -665,6 +676,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     if ns.guidance is not None and not (math.isfinite(ns.guidance) and ns.guidance >= 1):
         parser.error(f"--guidance {ns.guidance}: expected a finite number >= 1 (1 turns CFG off)")
+    if ns.image_guidance is not None and not (math.isfinite(ns.image_guidance) and ns.image_guidance >= 1):
+        parser.error(
+            f"--image-guidance {ns.image_guidance}: expected a finite number >= 1 (1 turns image guidance off)"
+        )
+    if ns.image_guidance is not None and not ns.image:
+        parser.error("--image-guidance guides an edit by its reference image: give --image REF too")
     if ns.seed is not None and not 0 <= ns.seed < 2**63:
         parser.error(f"--seed {ns.seed}: expected a whole number in [0, 2**63), as the trainer's seed")
     lora: LoraChoice = "none" if ns.no_lora else "ema" if ns.ema else "lora"
@@ -701,7 +718,15 @@ def main(argv: list[str] | None = None) -> int:
 
             _quiet_libraries()
             spec = SampleSpec(
-                prompts, reference, ns.num_images, ns.steps, ns.guidance, ns.seed, ns.height, ns.width
+                prompts,
+                reference,
+                ns.num_images,
+                ns.steps,
+                ns.guidance,
+                ns.seed,
+                ns.height,
+                ns.width,
+                ns.image_guidance,
             )
             images, captions = sample(folder, spec, lora=lora, device=ns.device)
             files = write_samples(

@@ -96,6 +96,7 @@ class RolloutScorer:
             group_size=self.algorithm.group_size,
             num_steps=s.num_steps,
             guidance_scale=s.guidance_scale,
+            image_guidance_scale=s.image_guidance_scale,
             sampler=s.sampler,
             noise_level=s.noise_level,
             window=self.window,

@@ -21,6 +21,7 @@ import io
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import PIL.Image
@@ -45,9 +46,12 @@ from boogu_schedule import (
     WindowPlan,
     boogu_sigmas,
     boogu_time,
+    combine_guidance,
+    guidance_branches,
     text_cfg,
     uses_cfg,
 )
+from boogu_schedule.guidance import BRANCH_INPUTS
 from boogu_schedule.sampling import (
     dedupe,
     draw_windows,
@@ -82,6 +86,17 @@ def _row_chunks(batch: int, micro_batch_size: int) -> list[slice]:
     return [slice(j, min(j + size, batch)) for j in range(0, batch, size)]
 
 
+@dataclass(frozen=True)
+class _RolloutGuidance:
+    """The ``true_cfg_scale`` an RL rollout hands vllm-omni's multi-branch CFG dispatch: the scales
+    and whether the batch edits, so that :meth:`BooguSDEPipeline.combine_multi_branch_cfg_noise`
+    combines the branches with the trainer's rule (``boogu_schedule.combine_guidance``)."""
+
+    text: float
+    image: float
+    edit: bool
+
+
 class BooguSDEPipeline(BooguImagePipeline):
     """vllm-omni's Boogu pipeline whose RL requests sample with SDE windows and return log-probs."""
 
@@ -113,6 +128,18 @@ class BooguSDEPipeline(BooguImagePipeline):
         if cfg_normalize:
             raise ValueError("BooguSDEPipeline: Boogu's text CFG has no renormalisation")
         return text_cfg(pos.float(), neg.float(), float(true_cfg_scale))
+
+    def combine_multi_branch_cfg_noise(self, predictions, true_cfg_scale, cfg_normalize=False):
+        """An RL rollout's branches (``boogu_schedule.guidance_branches``, in order) combined in
+        float32 by ``boogu_schedule.combine_guidance``, also under CFG parallel; any other request
+        keeps vllm-omni's own combination."""
+        if not isinstance(true_cfg_scale, _RolloutGuidance):
+            return super().combine_multi_branch_cfg_noise(predictions, true_cfg_scale, cfg_normalize)
+        if cfg_normalize:
+            raise ValueError("BooguSDEPipeline: Boogu's guidance has no renormalisation")
+        values = [(p[0] if isinstance(p, tuple) else p).float() for p in predictions]
+        g = true_cfg_scale
+        return combine_guidance(values, g.text, g.image, edit=g.edit)
 
     # ---- the engine entry point ----------------------------------------------------------------
     def forward(self, req) -> list[DiffusionOutput]:
@@ -224,6 +251,11 @@ class BooguSDEPipeline(BooguImagePipeline):
         refs = None
         if ref_latent:
             refs = [None if r < 0 else [ref_latent[r].to(dtype)] for r in ref_rows for _ in range(n)]
+        # The forwards of each step: the trainer's rule (one, text CFG, image or double guidance).
+        branches = guidance_branches(spec.guidance_scale, spec.image_guidance_scale, edit=refs is not None)
+        guidance = _RolloutGuidance(
+            float(spec.guidance_scale), float(spec.image_guidance_scale), refs is not None
+        )
         freqs = BooguImageDoubleStreamRotaryPosEmbed.get_freqs_real(
             self.transformer.axes_dim_rope, self.transformer.axes_lens, theta=10000
         )
@@ -238,31 +270,36 @@ class BooguSDEPipeline(BooguImagePipeline):
             latents = x.to(dtype)
             parts = []
             for rows in chunks:
-                positive = dict(
-                    t=t[rows],
-                    latents=latents[rows],
-                    instruction_embeds=pos_hidden[rows],
-                    freqs_real=freqs,
-                    instruction_attention_mask=pos_mask[rows],
-                    ref_image_hidden_states=None if refs is None else refs[rows],
-                )
-                # Edit: the negative branch keeps the reference latents (upstream's text-only TI2I guidance).
-                negative = (
-                    dict(
-                        positive,
-                        instruction_embeds=neg_hidden[rows],
-                        instruction_attention_mask=neg_mask[rows],
+                kwargs = []
+                for branch in branches:
+                    # drop_text keeps the reference latents (upstream's text-only TI2I guidance);
+                    # drop_image and drop_all take none (its image guidance).
+                    positive, keeps_refs = BRANCH_INPUTS[branch]
+                    hidden_states, attention_mask = (
+                        (pos_hidden, pos_mask) if positive else (neg_hidden, neg_mask)
                     )
-                    if cfg
-                    else None
-                )
-                v = self.predict_noise_maybe_with_cfg(
-                    do_true_cfg=cfg,
-                    true_cfg_scale=spec.guidance_scale,
-                    positive_kwargs=positive,
-                    negative_kwargs=negative,
-                    cfg_normalize=False,
-                )
+                    kwargs.append(
+                        dict(
+                            t=t[rows],
+                            latents=latents[rows],
+                            instruction_embeds=hidden_states[rows],
+                            freqs_real=freqs,
+                            instruction_attention_mask=attention_mask[rows],
+                            ref_image_hidden_states=refs[rows] if (refs is not None and keeps_refs) else None,
+                        )
+                    )
+                if len(kwargs) == 1:
+                    v = self.predict_noise_maybe_with_cfg(
+                        do_true_cfg=False,
+                        true_cfg_scale=1.0,
+                        positive_kwargs=kwargs[0],
+                        negative_kwargs=None,
+                        cfg_normalize=False,
+                    )
+                else:
+                    v = self.predict_noise_with_multi_branch_cfg(
+                        do_true_cfg=True, true_cfg_scale=guidance, branches_kwargs=kwargs, cfg_normalize=False
+                    )
                 parts.append((v[0] if isinstance(v, tuple) else v).float())
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -296,7 +333,7 @@ class BooguSDEPipeline(BooguImagePipeline):
             "window": [[win.start, win.end] for win in windows],
             "weights_version": self.lora_version,
             "lora_fingerprint": self.lora_fingerprint,
-            "nfe": batch * steps * (2 if cfg else 1),
+            "nfe": batch * steps * len(branches),
             "size": [height, width],
             "timings": dict(timings),
         }

@@ -125,13 +125,24 @@ class ForwardProcessAlgorithm(Algorithm):
     # ---- forwards -------------------------------------------------------------------------------
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The policy's Boogu velocity: the conditional one (no CFG, the references'), or with
-        ``guided`` the CFG-guided one at the rollout's guidance scale and CFG mode."""
+        ``guided`` the guided one at the rollout's guidance scales (text and image) and CFG mode."""
         traj = self.batch.trajectory
         guided = self.options.guided
-        scale, mode = (traj.guidance_scale, traj.cfg_mode) if guided else (1.0, "batched")
+        scale, image_scale, mode = (
+            (traj.guidance_scale, traj.image_guidance_scale, traj.cfg_mode)
+            if guided
+            else (1.0, 1.0, "batched")
+        )
         policy = self.policy
         return boogu_velocity(
-            policy.transformer, x, sigma, cond, scale, policy.recompute.freqs_cis, cfg_mode=mode
+            policy.transformer,
+            x,
+            sigma,
+            cond,
+            scale,
+            policy.recompute.freqs_cis,
+            cfg_mode=mode,
+            image_guidance_scale=image_scale,
         )
 
     def inputs(self, rows: list[int], j: int) -> tuple[torch.Tensor, ...]:

@@ -173,6 +173,8 @@ class SamplerConfig:
     """N: denoising steps per rollout."""
     guidance_scale: float = 4.0
     """Text CFG scale; 1.0 skips the negative forward and halves rollout cost."""
+    image_guidance_scale: float = 1.0
+    """Edit rows only: upstream's image guidance (a forward without the reference; with text CFG, its double guidance, three forwards); 1.0 is off."""
     height: int = 1024
     """Output height (multiple of 16, area at most 2048^2); edit rows follow their reference."""
     width: int = 1024
@@ -200,6 +202,12 @@ class SamplerConfig:
         check_finite(self, "sampler.")
         check(self.num_steps >= 2, "sampler.num_steps", self.num_steps, ">= 2")
         check(self.guidance_scale >= 1.0, "sampler.guidance_scale", self.guidance_scale, ">= 1.0")
+        check(
+            self.image_guidance_scale >= 1.0,
+            "sampler.image_guidance_scale",
+            self.image_guidance_scale,
+            ">= 1.0 (1 = off)",
+        )
         try:
             check_output_size(self.height, self.width)  # the rule the rollout request applies too
         except OutputSizeError as e:
@@ -560,6 +568,8 @@ class EvalConfig:
     """Evaluation prompts per evaluation."""
     guidance_scale: float | None = None
     """Text CFG of the evaluation's samples; null: sampler.guidance_scale (set it when the rollouts sample without CFG)."""
+    image_guidance_scale: float | None = None
+    """Edit rows: image guidance of the evaluation's samples; null: sampler.image_guidance_scale."""
     rewards: tuple[RewardSpec, ...] = ()
     """Held-out "gold" rewards, computed only on the evaluation set (same form as reward.rewards); empty: the training rewards."""
     stop_on_divergence: int = 0
@@ -583,6 +593,13 @@ class EvalConfig:
         )
         if self.guidance_scale is not None:
             check(self.guidance_scale >= 1.0, "eval.guidance_scale", self.guidance_scale, ">= 1 or null")
+        if self.image_guidance_scale is not None:
+            check(
+                self.image_guidance_scale >= 1.0,
+                "eval.image_guidance_scale",
+                self.image_guidance_scale,
+                ">= 1 or null",
+            )
 
 
 @dataclass(frozen=True)
@@ -665,10 +682,15 @@ class TrainerConfig:
             levels = self.sampler.num_steps
             wanted = opts.timesteps if opts.timesteps is not None else levels - 1  # NFT's null: all but one
             check(wanted <= levels, f"{key}.timesteps", opts.timesteps, f"<= sampler.num_steps ({levels})")
-        if opts is not None and opts.guided and not uses_cfg(self.sampler.guidance_scale):
+        s = self.sampler
+        if (
+            opts is not None
+            and opts.guided
+            and not (uses_cfg(s.guidance_scale) or uses_cfg(s.image_guidance_scale))
+        ):
             raise ConfigError(
                 f"{key}.guided=true trains the CFG-guided velocity, but "
-                f"sampler.guidance_scale={self.sampler.guidance_scale} rolls out without CFG; "
+                f"sampler.guidance_scale={s.guidance_scale} rolls out without CFG; "
                 f"set sampler.guidance_scale > 1 or {key}.guided=false"
             )
         # Every stream is derived from the seed's low 63 bits (boogu_schedule.seeding): a larger seed
