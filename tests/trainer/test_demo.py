@@ -13,13 +13,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from boogu_data.scenes import TAGS, TEST_PAIRS, VAL_PAIRS, Scene, generate_scenes, parse_caption
 from boogu_trainer.config import (
@@ -27,9 +30,16 @@ from boogu_trainer.config import (
     demo_config,
     load_config,
     scenes_demo_config,
+    scenes_edit_demo_config,
     scenes_task_config,
 )
-from boogu_trainer.data import SCENES_LAYOUT, SCENES_SEED, demo_records, scene_caption_held_out
+from boogu_trainer.data import (
+    SCENE_EDITS_SIZE,
+    SCENES_LAYOUT,
+    SCENES_SEED,
+    demo_records,
+    scene_caption_held_out,
+)
 from boogu_trainer.demo import HELDOUT_GRID, HELDOUT_JSON, heldout_comparison, paired_summary
 from boogu_trainer.metrics import summarize_rewards
 from boogu_trainer.trainer import Trainer
@@ -100,6 +110,124 @@ def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
         demo_records(4, "scenes", split="unseen")
 
 
+def test_the_edit_demo_recipe_is_the_edit_demo(capsys):
+    # `trainer edit` (a built-in recipe by name) and its recipe copy run the same settings: the T2I
+    # demo's learner on the edit pairs, with the Edit checkpoint and the edit verifier.
+    recipe = config_to_dict(load_config(str(SCENES / "edit_demo.yaml"), []))
+    assert recipe == config_to_dict(scenes_edit_demo_config())
+    config = scenes_edit_demo_config()
+    assert config.model.tiny == "scenes_edit" and not config.model.path
+    assert config.data.demo_set == "scene_edits" and not config.data.train_files and not config.data.val_files
+    assert (
+        [r.name for r in config.reward.rewards]
+        == [r.name for r in config.eval.rewards]
+        == ["scene_edit_exact"]
+    )
+    assert (
+        config.eval.every > 0
+        and config.total_steps % config.eval.every == 0
+        and config.eval.num_prompts >= 200
+    )
+    from boogu_trainer.cli import main
+
+    assert main(["edit", "--print-config", "total_steps=3"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "tiny: scenes_edit" in printed and "demo_set: scene_edits" in printed and "total_steps: 3" in printed
+    )
+
+
+def test_built_in_edit_pairs_hold_out_instructions_and_colour_shape_pairs():
+    from boogu_data.scene_edits import generate_edits
+    from boogu_tiny.verify import score_edits
+
+    train = demo_records(300, "scene_edits")
+    heldout = demo_records(100, "scene_edits", split="heldout")
+    test = demo_records(30, "scene_edits", split="test")
+    assert [r.index for r in train] == list(range(300)) and {r.split for r in heldout} == {"heldout"}
+    assert all(r.ability == "image_edit" and r.ref_image is not None for r in train + heldout + test)
+    assert all(scene_caption_held_out(r.instruction) for r in heldout)
+    assert not any(scene_caption_held_out(r.instruction) for r in train)
+    assert not {r.instruction for r in train} & {r.instruction for r in heldout}
+    ops = {json.loads(r.ground_truth)["instruction"]["op"] for r in heldout}
+    assert ops == {"recolour", "add", "remove", "move"}
+    # The train split's pairs in stream order (the Edit build's), divided by instruction; 64-pixel references.
+    stream = generate_edits(SCENES_SEED, "train", 500, layout=SCENES_LAYOUT)
+    assert [e.to_json() for e in stream if not scene_caption_held_out(e.instruction.text())][:50] == [
+        r.ground_truth for r in train[:50]
+    ]
+    assert Image.open(io.BytesIO(train[0].ref_image)).size == (SCENE_EDITS_SIZE, SCENE_EDITS_SIZE)
+    # The verifier reads them: the reference itself is no edit (nothing changed), so it fails.
+    refs = torch.stack(
+        [
+            torch.from_numpy(np.asarray(Image.open(io.BytesIO(r.ref_image)).convert("RGB")).copy()).permute(
+                2, 0, 1
+            )
+            for r in test
+        ]
+    )
+    assert score_edits(refs, test).sum() == 0
+    with pytest.raises(ValueError, match="no built-in scene_edits prompts of split 'unseen'"):
+        demo_records(4, "scene_edits", split="unseen")
+
+
+def test_the_held_out_comparison_of_edits_shows_the_reference(tiny_checkpoint, tmp_path):
+    """Edit rows: the grid puts each instruction's reference image above its base and trained edits."""
+    from boogu_trainer import demo as demo_module
+
+    config = load_config(
+        None,
+        [
+            f"model.path={tiny_checkpoint}",
+            "data.demo_set=scene_edits",
+            "data.prompts_per_step=2",
+            "algorithm.group_size=2",
+            "sampler.num_steps=3",
+            "sampler.window_range=[0,2]",
+            "sampler.window_size=1",
+            "sampler.image_guidance_scale=1.5",
+            "eval.every=1",
+            "eval.num_prompts=3",
+            "eval.num_steps=2",
+            "eval.rewards=[{name: scene_edit_exact}]",
+            "reward.rewards=[{name: demo_brightness}]",
+            "total_steps=1",
+            f"logging.run_dir={tmp_path}",
+            "logging.progress=false",
+            "logging.sample_every=0",
+            "logging.plot_every=0",
+            "checkpoint.save_every=0",
+        ],
+        base=demo_config(),
+    )
+    grids = []
+    real = demo_module.sample_grid
+
+    def spy(images, captions, path, **kwargs):
+        grids.append((images, captions))
+        return real(images, captions, path, **kwargs)
+
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+        import unittest.mock
+
+        with unittest.mock.patch.object(demo_module, "sample_grid", spy):
+            summary = heldout_comparison(trainer, tmp_path / "out")
+    finally:
+        trainer.close()
+    assert summary["prompts"] == 3 and summary["sampler"]["image_guidance_scale"] == 1.5
+    ((images, captions),) = grids
+    assert (
+        images.shape[0] == 9
+        and [c.split(" ")[0] for c in captions] == ["reference"] * 3 + ["base"] * 3 + ["trained"] * 3
+    )
+    records = trainer.evaluator.records
+    for i in range(3):
+        expected = np.asarray(Image.open(io.BytesIO(records[i].ref_image)).convert("RGB"))
+        assert np.array_equal(images[i].permute(1, 2, 0).numpy(), expected)
+
+
 def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoint, tmp_path):
     """On the random tiny model (fast): 'base' is the evaluation of the model before any update (LoRA
     switched off, bit for bit), 'trained' the one after; the files are written."""
@@ -138,7 +266,13 @@ def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoi
     assert (
         summary["prompts"] == 4 and summary["step"] == 1 and summary["gold_rewards"] == {"scene_exact": 1.0}
     )
-    assert summary["sampler"] == {"num_steps": 2, "guidance_scale": 2.0, "seed": 0, "kind": "ode"}
+    assert summary["sampler"] == {
+        "num_steps": 2,
+        "guidance_scale": 2.0,
+        "image_guidance_scale": 1.0,
+        "seed": 0,
+        "kind": "ode",
+    }
     written = json.loads((tmp_path / "out" / HELDOUT_JSON).read_text())
     assert written == json.loads(json.dumps(summary))
     assert (tmp_path / "out" / HELDOUT_GRID).stat().st_size > 0

@@ -279,3 +279,89 @@ def test_the_edit_smoke_build_trains_the_refiner_and_keeps_the_rest(quick_builds
         edit_main(["--quick", "--base", str(base), "--output-dir", str(tmp_path / "c"), "--set", "nope=1"])
         == 2
     )
+
+
+def test_edit_assets_keep_only_what_the_edit_build_changed_and_install_on_their_base(
+    quick_builds, tmp_path: Path
+) -> None:
+    """``save_trained_edit_assets`` stores the Edit build's transformer, report and samples and names
+    the base assets it was built on; ``ensure_trained_edit_checkpoint`` (``boogu-tiny --trained
+    --edit``) installs the base's text encoder, VAE, processor and scheduler with them."""
+    from boogu_adapters.loading import load_boogu
+    from boogu_tiny.checkpoints import (
+        ensure_trained_edit_checkpoint,
+        save_trained_edit_assets,
+    )
+    from boogu_tiny.edit_pretrain import EditPretrainConfig, edit_pretrain
+
+    base, _, _ = quick_builds
+    base_assets = save_trained_assets(base, tmp_path / "base_assets")
+    build = tmp_path / "edit_build"
+    edit_pretrain(build, EditPretrainConfig.quick(str(base)), log=lambda _: None)
+    assets = save_trained_edit_assets(build, tmp_path / "edit_assets", base_assets=base_assets)
+    manifest = verify_trained_assets(assets)
+    assert set(manifest["files"]) == {
+        "edit_pretrain_report.json",
+        "samples.png",
+        *(f"transformer/{p.name}" for p in (build / "transformer").iterdir() if p.suffix != ".py"),
+    }
+    assert (
+        manifest["base_manifest"] == hashlib.sha256((base_assets / "manifest.json").read_bytes()).hexdigest()
+    )
+
+    target = ensure_trained_edit_checkpoint(tmp_path / "ckpt", assets=assets, base_assets=base_assets)
+    assert is_complete_tiny_checkpoint(target)
+    assert json.loads((target / MARKER_NAME).read_text())["kind"] == "trained_edit"
+    assert _weights_digest(target / "transformer") == _weights_digest(build / "transformer")
+    assert _weights_digest(target / "vae") == _weights_digest(base / "vae")
+    assert not (target / "pretrain_report.json").exists() and (target / "edit_pretrain_report.json").is_file()
+    assert load_boogu(target, transformer="native").transformer is not None
+    stamp = (target / MARKER_NAME).stat().st_mtime_ns
+    assert ensure_trained_edit_checkpoint(target, assets=assets, base_assets=base_assets) == target
+    assert (target / MARKER_NAME).stat().st_mtime_ns == stamp  # complete: kept
+    with pytest.raises(
+        FileExistsError, match=r"holds the pretrained tiny Edit checkpoint \(boogu-tiny --trained --edit\)"
+    ):
+        ensure_trained_checkpoint(target, assets=base_assets)
+
+    # Edit assets installed over other base assets: the transformer read other features.
+    other = shutil.copytree(base, tmp_path / "other_base")
+    with open(other / "pretrain_report.json", "a") as f:
+        f.write(" ")  # another build's report: other base assets
+    other_assets = save_trained_assets(other, tmp_path / "other_base_assets")
+    with pytest.raises(AssetError, match="built on the base assets"):
+        ensure_trained_edit_checkpoint(tmp_path / "ckpt2", assets=assets, base_assets=other_assets)
+    assert not (tmp_path / "ckpt2").exists()
+
+    # A build whose VAE is not the base's did not start from these base assets: refused, by name.
+    with open(build / "vae" / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(AssetError, match=r"\['vae/config.json'\] differ from the base assets"):
+        save_trained_edit_assets(build, tmp_path / "edit_assets2", base_assets=base_assets)
+    assert not (tmp_path / "edit_assets2").exists()
+    with pytest.raises(FileNotFoundError, match="not a finished boogu-tiny-edit-pretrain output"):
+        save_trained_edit_assets(base, tmp_path / "edit_assets3", base_assets=base_assets)
+    assert tiny_main(["--edit", "--output-dir", str(tmp_path / "cli")]) == 2  # --edit needs --trained
+    assert not (tmp_path / "cli").exists()
+
+
+def test_the_committed_edit_checkpoint_matches_its_manifest_and_installs(tmp_path: Path) -> None:
+    """The committed tiny Edit checkpoint: its files match their manifest, it was built on the
+    committed base (``base_manifest``), and ``boogu-tiny --trained --edit`` installs a loadable
+    checkpoint whose report says what the build reached (the README's and docs/tiny-model.md's figures)."""
+    from boogu_adapters.loading import load_boogu
+    from boogu_tiny.checkpoints import TRAINED_EDIT_ASSETS
+
+    manifest = verify_trained_assets(TRAINED_EDIT_ASSETS)
+    assert (
+        manifest["base_manifest"]
+        == hashlib.sha256((TRAINED_ASSETS / "manifest.json").read_bytes()).hexdigest()
+    )
+    assert tiny_main(["--trained", "--edit", "--output-dir", str(tmp_path / "edit")]) == 0
+    target = tmp_path / "edit"
+    assert json.loads((target / MARKER_NAME).read_text())["kind"] == "trained_edit"
+    parts = load_boogu(target, transformer="native")
+    assert parts.transformer is not None and parts.vae.config.sample_size == 64
+    report = json.loads((target / "edit_pretrain_report.json").read_text())
+    assert report["config"]["seed"] == 0 and report["config"]["layout"] == "grid"
+    assert report["scores"]["unseen"]["scene_edit_exact"] >= 0.3  # the issue's target for the base

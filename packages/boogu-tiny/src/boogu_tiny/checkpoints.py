@@ -89,16 +89,20 @@ from boogu_schedule import make_generator
 __all__ = [
     "BUILDER_VERSION",
     "DEFAULT_TINY_PATH",
+    "DEFAULT_TRAINED_EDIT_PATH",
     "DEFAULT_TRAINED_PATH",
     "MARKER_NAME",
     "TRAINED_ASSETS",
+    "TRAINED_EDIT_ASSETS",
     "AssetError",
     "CheckpointWriteError",
     "ensure_tiny_checkpoint",
     "ensure_trained_checkpoint",
+    "ensure_trained_edit_checkpoint",
     "is_complete_tiny_checkpoint",
     "main",
     "save_trained_assets",
+    "save_trained_edit_assets",
     "verify_trained_assets",
     "write_text_side",
 ]
@@ -115,6 +119,19 @@ TRAINED_ASSETS = Path(__file__).parent / "assets" / "tiny_scenes"
 """The committed pretrained tiny checkpoint (``boogu-tiny-pretrain --save-assets`` writes it): the
 released layout without the two ``.py`` shims (written at install), ``manifest.json`` (sha256 and size
 of every file) and the build's ``pretrain_report.json``."""
+
+DEFAULT_TRAINED_EDIT_PATH = "~/models/tiny-scenes-edit/Boogu-Image"
+"""Where ``boogu-tiny --trained --edit`` puts the tiny Edit checkpoint unless told otherwise."""
+
+TRAINED_EDIT_ASSETS = Path(__file__).parent / "assets" / "tiny_scenes_edit"
+"""The committed tiny Edit checkpoint (``boogu-tiny-edit-pretrain``, saved by
+:func:`save_trained_edit_assets`): only what the Edit build changed (``transformer/``,
+``edit_pretrain_report.json``, ``samples.png``); its ``manifest.json`` lists them and names the
+:data:`TRAINED_ASSETS` manifest it was built on (``base_manifest``), whose other files (text encoder,
+VAE, processor, scheduler) an install takes from there."""
+
+EDIT_OWN_FILES = ("transformer/", "edit_pretrain_report.json", "samples.png")
+"""What the Edit build writes itself (prefixes of asset paths); everything else is the base's."""
 
 MANIFEST_NAME = "manifest.json"
 
@@ -427,15 +444,15 @@ def _existing(target: Path) -> tuple[dict[str, Any], dict[str, Any] | None] | No
 def _identity(marker: dict[str, Any]) -> dict[str, Any]:
     """What model a marker says its folder holds (what a call asks for, in the same form)."""
     kind = marker.get("kind") or ("trained" if "trained_assets" in marker else "random")
-    if kind == "trained":
-        return {"kind": "trained"}
+    if kind in ("trained", "trained_edit"):
+        return {"kind": kind}
     return {"kind": kind, "seed": marker.get("seed"), "source_model": marker.get("source_model")}
 
 
 def _version(marker: dict[str, Any]) -> Any:
     """Which build of its model a marker records: the committed files' hash for the pretrained one,
     the builder version (1 when it records none) for a random one."""
-    if _identity(marker)["kind"] == "trained":
+    if _identity(marker)["kind"] in ("trained", "trained_edit"):
         return marker.get("trained_assets")
     return marker.get("builder_version", 1)
 
@@ -443,6 +460,8 @@ def _version(marker: dict[str, Any]) -> Any:
 def _describe(identity: dict[str, Any]) -> str:
     if identity.get("kind") == "trained":
         return "the pretrained tiny checkpoint (boogu-tiny --trained)"
+    if identity.get("kind") == "trained_edit":
+        return "the pretrained tiny Edit checkpoint (boogu-tiny --trained --edit)"
     if identity.get("kind") != "random":
         return f"a boogu-tiny folder of kind {identity.get('kind')!r}"
     source = identity.get("source_model")
@@ -602,6 +621,84 @@ def verify_trained_assets(assets: str | os.PathLike[str] = TRAINED_ASSETS) -> di
     return manifest
 
 
+def _edit_install_files(assets: Path, base_assets: Path) -> dict[str, Path]:
+    """Every file an Edit install copies (asset path -> where it comes from): the base's, less its
+    own build's report and samples, overlaid with the Edit assets (after both were verified)."""
+    manifest = verify_trained_assets(assets)
+    verify_trained_assets(base_assets)
+    base_hash = _sha256(base_assets / MANIFEST_NAME)
+    if manifest.get("base_manifest") != base_hash:
+        raise AssetError(
+            f"{assets / MANIFEST_NAME}: built on the base assets whose manifest hashes to "
+            f"{manifest.get('base_manifest')!r}, but {base_assets / MANIFEST_NAME} hashes to {base_hash}: "
+            "the Edit transformer was trained on another text encoder or VAE; rebuild it "
+            "(boogu-tiny-edit-pretrain, then save_trained_edit_assets)"
+        )
+    files = {
+        name: base_assets / name
+        for name in _asset_files(base_assets)
+        if name not in ("pretrain_report.json", "samples.png")
+        and not name.startswith("transformer/")
+        and name != MARKER_NAME
+    }
+    files.update({name: assets / name for name in _asset_files(assets)})
+    return files
+
+
+def save_trained_edit_assets(
+    checkpoint: str | os.PathLike[str],
+    assets: str | os.PathLike[str] = TRAINED_EDIT_ASSETS,
+    *,
+    base_assets: str | os.PathLike[str] = TRAINED_ASSETS,
+) -> Path:
+    """Copy what a ``boogu-tiny-edit-pretrain`` output changed into ``assets`` (replacing it), with a
+    manifest of hashes that names the base assets it was built on.
+
+    Raises:
+        FileNotFoundError: ``checkpoint`` is not a finished Edit build.
+        AssetError: a file outside the Edit build's own (:data:`EDIT_OWN_FILES`) differs from the base
+            assets': the build did not start from the committed base.
+    """
+    source = Path(checkpoint).expanduser().absolute()
+    base = Path(base_assets)
+    # The Edit build copies its base without the base's marker: every other file of the layout is there.
+    layout = [name for name in _REQUIRED_FILES if name != MARKER_NAME] + ["edit_pretrain_report.json"]
+    if not all((source / name).is_file() for name in layout):
+        raise FileNotFoundError(
+            f"{source} is not a finished boogu-tiny-edit-pretrain output (no edit_pretrain_report.json)"
+        )
+    base_files = verify_trained_assets(base)["files"]
+    own, foreign = [], []
+    for name in _asset_files(source):
+        if name.startswith(EDIT_OWN_FILES):
+            own.append(name)
+        elif name == MARKER_NAME:
+            continue
+        elif name not in base_files or base_files[name]["sha256"] != _sha256(source / name):
+            foreign.append(name)
+    if foreign:
+        raise AssetError(
+            f"{source}: {foreign} differ from the base assets in {base}: an Edit build must start from "
+            "the committed tiny scenes checkpoint (boogu-tiny-edit-pretrain's default --base)"
+        )
+    target = Path(assets)
+    staging = stage_folder(target)
+    try:
+        for name in own:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, staging / name)
+        files = {
+            name: {"sha256": _sha256(staging / name), "bytes": (staging / name).stat().st_size}
+            for name in _asset_files(staging)
+        }
+        _write_json(staging / MANIFEST_NAME, {"files": files, "base_manifest": _sha256(base / MANIFEST_NAME)})
+        commit_folder(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
 def ensure_trained_checkpoint(
     path: str | os.PathLike[str] = DEFAULT_TRAINED_PATH,
     force: bool = False,
@@ -640,6 +737,42 @@ def ensure_trained_checkpoint(
     return _ensure(target, {"kind": "trained"}, assets_hash, force, install)
 
 
+def ensure_trained_edit_checkpoint(
+    path: str | os.PathLike[str] = DEFAULT_TRAINED_EDIT_PATH,
+    force: bool = False,
+    *,
+    assets: str | os.PathLike[str] = TRAINED_EDIT_ASSETS,
+    base_assets: str | os.PathLike[str] = TRAINED_ASSETS,
+) -> Path:
+    """Put the committed tiny Edit checkpoint at ``path``: the base assets' text encoder, VAE,
+    processor and scheduler with the Edit transformer, its report and samples (seconds, no training).
+    Kept, replaced and refused as :func:`ensure_trained_checkpoint` says.
+
+    Raises:
+        AssetError: either set of committed files does not match its manifest, or the Edit assets
+            were built on other base assets.
+        FileExistsError: as for :func:`ensure_tiny_checkpoint`.
+        CheckpointWriteError: writing failed (disk full, read-only storage); nothing was left.
+    """
+    target = Path(path).expanduser().absolute()
+    source = Path(assets)
+    files = _edit_install_files(source, Path(base_assets))
+    assets_hash = _sha256(source / MANIFEST_NAME)
+
+    def install(staging: Path) -> None:
+        for name, origin in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(origin, staging / name)
+        for name, text in _SHIMS.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        marker = json.loads((Path(base_assets) / MARKER_NAME).read_text(encoding="utf-8"))
+        marker.pop("files", None)
+        marker.update(kind="trained_edit", trained_assets=assets_hash)
+        _write_json(staging / MARKER_NAME, marker)
+
+    return _ensure(target, {"kind": "trained_edit"}, assets_hash, force, install)
+
+
 def _marker(path: Path) -> dict[str, Any]:
     try:
         marker = json.loads((path / MARKER_NAME).read_text(encoding="utf-8"))
@@ -675,6 +808,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "instead of building a random one",
     )
     parser.add_argument(
+        "--edit",
+        action="store_true",
+        help="with --trained: install the committed tiny Edit checkpoint (boogu-tiny-edit-pretrain: the scenes "
+        f"checkpoint fine-tuned on the scene edit pairs; default folder {DEFAULT_TRAINED_EDIT_PATH})",
+    )
+    parser.add_argument(
         "--source-model",
         default=None,
         help="local Boogu snapshot to copy processor/ and scheduler/ from (default: $SOURCE_MODEL, else fabricate)",
@@ -689,13 +828,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if args.edit and not args.trained:
+            raise ValueError("--edit installs the committed tiny Edit checkpoint: give --trained --edit")
         if args.trained:
             if args.source_model is not None or args.seed != DEFAULT_SEED:
                 raise ValueError(
                     "--trained installs the committed checkpoint as built: --source-model and --seed do not apply "
                     "(its transformer was trained on this text encoder's and tokenizer's features)"
                 )
-            path = ensure_trained_checkpoint(args.output_dir or DEFAULT_TRAINED_PATH, args.force)
+            if args.edit:
+                path = ensure_trained_edit_checkpoint(
+                    args.output_dir or DEFAULT_TRAINED_EDIT_PATH, args.force
+                )
+            else:
+                path = ensure_trained_checkpoint(args.output_dir or DEFAULT_TRAINED_PATH, args.force)
         else:
             path = ensure_tiny_checkpoint(
                 args.output_dir or DEFAULT_TINY_PATH, args.source_model, args.force, seed=args.seed

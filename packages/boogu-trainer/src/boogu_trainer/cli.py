@@ -3,6 +3,9 @@
 trainer                                   the CPU demo: the tiny Boogu pretrained on procedural scenes
                                           learns to follow their captions (scenes_demo_config; held-out
                                           verdict: runs/demo/heldout.json, heldout_grid.png)
+trainer edit [key=value ...]              the Edit demo: the tiny Boogu Edit checkpoint learns to follow edit
+                                          instructions on their reference (scenes_edit_demo_config; held-out
+                                          verdict: runs/edit_demo/heldout.json, heldout_grid.png)
 trainer RECIPE.yaml [key=value ...]       a recipe, with overrides (e.g. optim.lr=1e-4)
 trainer resume=auto                       continue the demo (or a recipe run) from its last checkpoint
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from boogu_trainer import __version__
 from boogu_trainer.config import (
+    BUILTIN_RECIPES,
     ConfigError,
     TrainerConfig,
     config_reference_markdown,
@@ -37,7 +41,11 @@ from boogu_trainer.config import (
     scenes_demo_config,
 )
 
-_BUILT_IN = {"ocr": "built-in prompts", "scenes": "built-in scene captions (held-out: data.demo_eval_split)"}
+_BUILT_IN = {
+    "ocr": "built-in prompts",
+    "scenes": "built-in scene captions (held-out: data.demo_eval_split)",
+    "scene_edits": "built-in scene edit pairs (held-out: data.demo_eval_split)",
+}
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
@@ -49,7 +57,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
         + "\n".join(_key_lines()),
     )
     parser.add_argument(
-        "args", nargs="*", metavar="RECIPE.yaml | key=value", help="a YAML recipe and/or overrides"
+        "args",
+        nargs="*",
+        metavar="RECIPE.yaml | edit | key=value",
+        help="a YAML recipe (or 'edit': the built-in Edit demo) and/or overrides",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument(
@@ -127,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         print(learners_table_markdown())
         return 0
     try:
-        config = load_config(recipe, overrides, base=None if recipe else scenes_demo_config())
+        builtin = BUILTIN_RECIPES.get(recipe) if recipe is not None and not Path(recipe).exists() else None
+        if builtin is not None:  # a built-in recipe by its name (`trainer edit`): a demo
+            config = load_config(None, overrides, base=builtin())
+            recipe = None
+        else:
+            config = load_config(recipe, overrides, base=None if recipe else scenes_demo_config())
     except ConfigError as e:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2
@@ -232,11 +248,10 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
             if trainer.run_note:
                 print(trainer.run_note)
             if demo and not config.model.path and not config.data.train_files:
-                what = (
-                    "demo: tiny Boogu pretrained on procedural scenes, scene captions"
-                    if config.model.tiny == "scenes"
-                    else "demo: tiny random Boogu checkpoint, built-in prompts"
-                )
+                what = {
+                    "scenes": "demo: tiny Boogu pretrained on procedural scenes, scene captions",
+                    "scenes_edit": "Edit demo: tiny Boogu Edit fine-tuned on scene edit pairs, edit instructions",
+                }.get(config.model.tiny, "demo: tiny random Boogu checkpoint, built-in prompts")
             else:
                 what = (
                     f"model {config.model.path or f'tiny {config.model.tiny} checkpoint'}, "
@@ -271,7 +286,7 @@ def run(config: TrainerConfig, *, demo: bool = False) -> int:
 
         with record_collectives(os.environ.get(RECORD_ENV), dist.rank):
             history = trainer.train(progress)
-        if config.data.demo_set == "scenes" and not config.data.val_files and not config.data.train_files:
+        if config.data.demo_set != "ocr" and not config.data.val_files and not config.data.train_files:
             from boogu_trainer.demo import heldout_comparison
 
             if bar is not None:

@@ -29,7 +29,15 @@ SCENE_SPLITS = ("train", "heldout", "val", "test")
   quarter of the 396 train captions): colour-shape pairs and captions the pretraining saw, never
   a prompt of the RL run;
 * ``val`` and ``test``: the scene set's own held-out colour-shape pairs (never in pretraining
-  either: a generalisation check)."""
+  either: a generalisation check).
+
+``data.demo_set=scene_edits`` has the same four splits of the scene edit pairs
+(:mod:`boogu_data.scene_edits`, same seed and layout, the reference rendered at
+:data:`SCENE_EDITS_SIZE`): ``heldout`` holds the train-split pairs whose instruction is held out
+(:func:`scene_caption_held_out` of the instruction's text, about a quarter)."""
+SCENE_EDITS_SIZE = 64
+"""The side of the built-in edit pairs' reference images: the tiny VAE's ``sample_size``, as the Edit
+build (``boogu_tiny.edit_pretrain``) renders them."""
 OCR_DEMO_PROMPTS = 64
 """How many built-in OCR prompts there are (the lines of ``assets/demo_prompts.txt``; a test pins it)."""
 MAX_DEMO_PROMPTS = MAX_COUNT
@@ -51,6 +59,8 @@ def demo_records(limit: int = 32, demo_set: str = "ocr", *, split: str = "train"
     JSON in ``ground_truth``; ``index`` counts within the split's stream, ``split`` names it)."""
     if demo_set == "scenes":
         return _scene_records(limit, split)
+    if demo_set == "scene_edits":
+        return _scene_edit_records(limit, split)
     if demo_set != "ocr" or split != "train":
         raise ValueError(f"no built-in {demo_set!r} prompts of split {split!r}")
     text = resources.files("boogu_trainer").joinpath("assets/demo_prompts.txt").read_text(encoding="utf-8")
@@ -82,6 +92,18 @@ def _scene_records(limit: int, split: str) -> list[PromptRecord]:
     stream = "train" if split == "heldout" else split
     scenes = generate_scenes(SCENES_SEED, stream, limit, layout=SCENES_LAYOUT, keep=keep)
     return [scene.record(split, i) for i, scene in enumerate(scenes)]
+
+
+def _scene_edit_records(limit: int, split: str) -> list[PromptRecord]:
+    from boogu_data.scene_edits import iter_edits
+
+    if split not in SCENE_SPLITS:
+        raise ValueError(f"no built-in scene_edits prompts of split {split!r}: one of {SCENE_SPLITS}")
+    stream = iter_edits(SCENES_SEED, "train" if split == "heldout" else split, layout=SCENES_LAYOUT)
+    if split in ("train", "heldout"):  # the train split's stream, divided by instruction
+        stream = (e for e in stream if scene_caption_held_out(e.instruction.text()) == (split == "heldout"))
+    edits = [e for _, e in zip(range(limit), stream, strict=False)]
+    return [e.record(split, i, SCENE_EDITS_SIZE) for i, e in enumerate(edits)]
 
 
 def load_sourced_records(files: Sequence[str]) -> tuple[list[PromptRecord], list[str]]:

@@ -10,17 +10,21 @@ folder:
 
 * ``heldout.json``: ``{"prompts": n, "base": mean, "trained": mean, "se_diff": standard error of
   the paired difference, ...}``: the gain is real when ``trained - base > 2 * se_diff``;
-* ``heldout_grid.png``: the first prompts' images, base above trained, each with its verdict.
+* ``heldout_grid.png``: the first prompts' images, base above trained, each with its verdict (for
+  edit rows, ``trainer examples/tiny_scenes/edit_demo.yaml``, each column's reference image above them).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from boogu_adapters.lora import adapters_disabled
 from boogu_data.atomic import atomic_write_text
@@ -59,7 +63,7 @@ def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
     evaluator = trainer.evaluator
     if not evaluator.records:
         raise ValueError(
-            "the held-out comparison needs evaluation prompts (data.val_files or data.demo_set=scenes)"
+            "the held-out comparison needs evaluation prompts (data.val_files or data.demo_set=scenes or scene_edits)"
         )
     with adapters_disabled(trainer.transformer):
         base = evaluator.evaluate(step=0)
@@ -81,6 +85,7 @@ def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
             "sampler": {
                 "num_steps": evaluator.eval_config.num_steps,
                 "guidance_scale": evaluator.guidance_scale,
+                "image_guidance_scale": evaluator.image_guidance_scale,
                 "seed": evaluator.seed,
                 "kind": "ode",
             },
@@ -91,19 +96,38 @@ def heldout_comparison(trainer: Any, run_dir: Path) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / HELDOUT_JSON, json.dumps(summary, indent=2) + "\n")
         if base.images is not None and trained.images is not None:
-            _grid(base, trained, run_dir / HELDOUT_GRID)
+            _grid(base, trained, run_dir / HELDOUT_GRID, [r.ref_image for r in evaluator.records])
     return summary
 
 
-def _grid(base: Any, trained: Any, path: Path) -> None:
+def _reference(png: bytes, like: torch.Tensor) -> torch.Tensor:
+    """A reference image as a (3, H, W) uint8 tensor of ``like``'s size (an edit's output follows
+    its reference's size, so this is a no-op resize for the scene edits)."""
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    if image.size != (like.shape[-1], like.shape[-2]):
+        image = image.resize((like.shape[-1], like.shape[-2]), Image.Resampling.BILINEAR)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+
+def _grid(base: Any, trained: Any, path: Path, references: list[bytes | None] | None = None) -> None:
     def caption(label: str, row: dict[str, Any]) -> str:
         verdict = "PASS" if row["gold"] >= 0.5 else "fail"
         return f"{label} {verdict} | {row['prompt']}"
 
     images, captions = [], []
     count = min(len(base.prompts), 2 * GRID_PROMPTS)
+    edits = references is not None and any(r is not None for r in references[:count])
     for start in range(0, count, GRID_PROMPTS):
         rows = range(start, min(start + GRID_PROMPTS, count))
+        if edits:  # the reference above the base edit and the trained edit of the same instruction
+            assert references is not None
+            images += [
+                torch.zeros_like(base.images[i])
+                if references[i] is None
+                else _reference(references[i], base.images[i])
+                for i in rows
+            ]
+            captions += [f"reference | {base.prompts[i]['prompt']}" for i in rows]
         images += [base.images[i] for i in rows] + [trained.images[i] for i in rows]
         captions += [caption("base", base.prompts[i]) for i in rows]
         captions += [caption("trained", trained.prompts[i]) for i in rows]

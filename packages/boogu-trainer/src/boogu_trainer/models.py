@@ -60,18 +60,25 @@ def base_model_name(config: TrainerConfig) -> str:
     """``model.path``, or the tiny checkpoint's folder as configured (not built): what a LoRA records."""
     if config.model.path:
         return config.model.path
-    return config.model.tiny_scenes_path if config.model.tiny == "scenes" else config.model.tiny_path
+    m = config.model
+    return {"scenes": m.tiny_scenes_path, "scenes_edit": m.tiny_scenes_edit_path}.get(m.tiny, m.tiny_path)
 
 
 def base_model_path(config: TrainerConfig) -> Path:
     """The base model folder of a run: ``model.path``, or the tiny checkpoint (built if needed)."""
     if config.model.path:
         return Path(config.model.path).expanduser()
-    from boogu_tiny.checkpoints import ensure_tiny_checkpoint, ensure_trained_checkpoint
+    from boogu_tiny.checkpoints import (
+        ensure_tiny_checkpoint,
+        ensure_trained_checkpoint,
+        ensure_trained_edit_checkpoint,
+    )
 
     folder = Path(base_model_name(config)).expanduser()
     if config.model.tiny == "scenes":
         return Path(ensure_trained_checkpoint(folder))
+    if config.model.tiny == "scenes_edit":
+        return Path(ensure_trained_edit_checkpoint(folder))
     return Path(ensure_tiny_checkpoint(folder))
 
 

@@ -154,7 +154,7 @@ class Trainer:
         self._train_rows = self._read_records(config.data.train_files, "data.train_files")
         self._val_rows = (
             self._read_records(config.data.val_files, "data.val_files")
-            if config.data.val_files or config.data.demo_set == "scenes"
+            if config.data.val_files or config.data.demo_set != "ocr"
             else None
         )
         if len(self._train_rows[0]) < config.data.prompts_per_step:
@@ -361,7 +361,7 @@ class Trainer:
         empty); a missing or invalid file is a `ConfigError` naming ``key``."""
         if not files:
             data = self.config.data
-            if key == "data.val_files":  # only the scene set has built-in held-out prompts
+            if key == "data.val_files":  # only the scene sets have built-in held-out prompts
                 records = demo_records(
                     self.config.eval.num_prompts, data.demo_set, split=data.demo_eval_split
                 )

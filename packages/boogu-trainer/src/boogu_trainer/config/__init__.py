@@ -33,7 +33,13 @@ from boogu_trainer.config.algorithms import (
 )
 from boogu_trainer.config.checks import check_ignored_settings, check_world_layout
 from boogu_trainer.config.loader import load_config
-from boogu_trainer.config.recipes import demo_config, scenes_demo_config, scenes_task_config
+from boogu_trainer.config.recipes import (
+    BUILTIN_RECIPES,
+    demo_config,
+    scenes_demo_config,
+    scenes_edit_demo_config,
+    scenes_task_config,
+)
 from boogu_trainer.config.reference import config_reference_markdown, describe, field_docs
 from boogu_trainer.config.resume import (
     RESUME_FREE_KEYS,
@@ -67,6 +73,7 @@ from boogu_trainer.config.sections import (
 
 __all__ = [
     "ALGORITHMS",
+    "BUILTIN_RECIPES",
     "FORWARD_OPTIONS_KEYS",
     "POLICY_RATIO_KEYS",
     "RESUME_FREE_KEYS",
@@ -108,5 +115,6 @@ __all__ = [
     "resolved_model_dtype",
     "resume_not_bitwise_changes",
     "scenes_demo_config",
+    "scenes_edit_demo_config",
     "scenes_task_config",
 ]

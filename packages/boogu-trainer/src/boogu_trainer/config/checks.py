@@ -55,15 +55,16 @@ def check_ignored_settings(config: TrainerConfig, given: Iterable[str]) -> None:
     without a word. A value inherited from the defaults or a ``base`` config
     (the demo's clip_range) is not the user's choice and passes."""
     data = config.data
-    if "data.demo_eval_split" in given and (data.demo_set != "scenes" or data.val_files):
+    if "data.demo_eval_split" in given and (data.demo_set == "ocr" or data.val_files):
         why = (
             f"data.val_files={list(data.val_files)!r} is the evaluation set"
             if data.val_files
             else f"data.demo_set={data.demo_set!r} has no built-in evaluation captions"
         )
         raise ConfigError(
-            f"data.demo_eval_split={data.demo_eval_split!r}: it picks the built-in scene captions an "
-            f"evaluation scores when data.demo_set='scenes' and data.val_files is empty, but {why}; "
+            f"data.demo_eval_split={data.demo_eval_split!r}: it picks the built-in scene captions (or edit "
+            f"pairs) an evaluation scores when data.demo_set is 'scenes' or 'scene_edits' and data.val_files "
+            f"is empty, but {why}; "
             "remove data.demo_eval_split from the recipe and overrides"
         )
     algorithm = config.algorithm

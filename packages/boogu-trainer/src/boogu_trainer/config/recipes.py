@@ -79,6 +79,29 @@ def scenes_demo_config() -> TrainerConfig:
     )
 
 
+def scenes_edit_demo_config() -> TrainerConfig:
+    """``trainer edit``: the Edit demo. The tiny Boogu Edit checkpoint (the scenes checkpoint
+    fine-tuned on the scene edit pairs, ``model.tiny: scenes_edit``, docs/tiny-model.md) learns to
+    follow edit instructions on their reference image: the T2I demo's learner and settings
+    (`scenes_demo_config`) on the built-in edit pairs (``data.demo_set: scene_edits``), trained on
+    and judged by the exact edit verifier (``scene_edit_exact``) on held-out instructions.
+    ``examples/tiny_scenes/edit_demo.yaml`` is the same as a recipe."""
+    demo = scenes_demo_config()
+    return replace(
+        demo,
+        data=replace(demo.data, demo_set="scene_edits"),
+        model=replace(demo.model, tiny="scenes_edit"),
+        reward=RewardConfig(rewards=(RewardSpec(name="scene_edit_exact"),)),
+        eval=replace(demo.eval, rewards=(RewardSpec(name="scene_edit_exact"),)),
+        logging=replace(demo.logging, name="edit_demo"),
+    )
+
+
+BUILTIN_RECIPES = {"edit": scenes_edit_demo_config}
+"""The built-in recipes ``trainer NAME`` runs (a word, not a file): ``trainer edit`` is the Edit
+demo; ``trainer`` with no recipe is the T2I demo (`scenes_demo_config`)."""
+
+
 def demo_config() -> TrainerConfig:
     """The fast CPU run of the tests and the first algorithm benchmark (``trainer`` with no arguments
     before the scene demo): tiny random checkpoint, built-in OCR prompts, a cheap reward that a
@@ -106,4 +129,10 @@ def demo_config() -> TrainerConfig:
     )
 
 
-__all__ = ["demo_config", "scenes_demo_config", "scenes_task_config"]
+__all__ = [
+    "BUILTIN_RECIPES",
+    "demo_config",
+    "scenes_demo_config",
+    "scenes_edit_demo_config",
+    "scenes_task_config",
+]

@@ -71,6 +71,7 @@ RESUME_PATH_KEYS: tuple[str, ...] = (
     "model.path",
     "model.tiny_path",
     "model.tiny_scenes_path",
+    "model.tiny_scenes_edit_path",
     "rollout.vllm.project",
     "rollout.vllm.python",
     "data.train_files",
@@ -82,6 +83,7 @@ RESUME_CONDITIONAL_KEYS: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     "model.tiny": lambda c: not c.get("model.path"),
     "model.tiny_path": lambda c: not c.get("model.path") and c.get("model.tiny") == "random",
     "model.tiny_scenes_path": lambda c: not c.get("model.path") and c.get("model.tiny") == "scenes",
+    "model.tiny_scenes_edit_path": lambda c: not c.get("model.path") and c.get("model.tiny") == "scenes_edit",
     "rollout.vllm": lambda c: c.get("rollout.engine") == "vllm_omni",
 }
 """Keys (and sections) a config uses only in some settings: key -> whether a config (its dotted

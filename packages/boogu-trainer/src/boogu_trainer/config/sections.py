@@ -50,17 +50,17 @@ class DataConfig:
     train_files: tuple[str, ...] = ()
     """Parquet files or folders written by boogu-data; empty means the built-in demo prompts."""
     val_files: tuple[str, ...] = ()
-    """Parquet files or folders for evaluation (empty: no evaluation set, or with demo_set=scenes the built-in held-out captions, data.demo_eval_split)."""
+    """Parquet files or folders for evaluation (empty: no evaluation set, or with demo_set=scenes or scene_edits the built-in held-out prompts, data.demo_eval_split)."""
     prompts_per_step: int = 32
     """B: prompts per training step (each rolled out group_size times)."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded, resumable)."""
     demo_prompts: int = 32
-    """How many built-in prompts the demo uses when train_files is empty (ocr: at most 64; scenes: at most 100000)."""
-    demo_set: Literal["ocr", "scenes"] = "ocr"
-    """The built-in prompts: OCR prompts (demo_prompts of the Flow-GRPO test split), or procedural-scene captions (boogu-data scenes --layout grid, as the tiny model was pretrained: train-split captions for training; data.demo_eval_split for evaluation when val_files is empty)."""
+    """How many built-in prompts the demo uses when train_files is empty (ocr: at most 64; scenes, scene_edits: at most 100000)."""
+    demo_set: Literal["ocr", "scenes", "scene_edits"] = "ocr"
+    """The built-in prompts: OCR prompts (demo_prompts of the Flow-GRPO test split), procedural-scene captions (boogu-data scenes --layout grid, as the tiny model was pretrained: train-split captions for training; data.demo_eval_split for evaluation when val_files is empty), or the scene edit pairs (boogu-data scenes --edits: an instruction and the rendered source scene as the reference; split as the captions)."""
     demo_eval_split: Literal["heldout", "val", "test"] = "heldout"
-    """demo_set=scenes: the evaluation prompts when val_files is empty: heldout (train-split captions never used for training, a quarter of them), or the scene set's val or test split (colour-shape pairs the pretraining never saw)."""
+    """demo_set=scenes or scene_edits: the evaluation prompts when val_files is empty: heldout (train-split captions or edit instructions never used for training, a quarter of them), or the scene set's val or test split (colour-shape pairs the pretraining never saw)."""
 
     def __post_init__(self) -> None:
         check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
@@ -89,10 +89,12 @@ class ModelConfig:
     """Boogu checkpoint folder; empty builds and uses the tiny random checkpoint (tiny_path)."""
     tiny_path: str = "~/models/tiny-random/Boogu-Image"
     """Where the tiny random checkpoint is built when path is empty."""
-    tiny: Literal["random", "scenes"] = "random"
-    """Which tiny checkpoint an empty path means: random weights (tiny_path), or the one pretrained on the procedural scenes (boogu-tiny --trained, installed at tiny_scenes_path)."""
+    tiny: Literal["random", "scenes", "scenes_edit"] = "random"
+    """Which tiny checkpoint an empty path means: random weights (tiny_path), the one pretrained on the procedural scenes (boogu-tiny --trained, installed at tiny_scenes_path), or its Edit fine-tune on the scene edit pairs (boogu-tiny --trained --edit, at tiny_scenes_edit_path)."""
     tiny_scenes_path: str = "~/models/tiny-scenes/Boogu-Image"
     """Where the pretrained tiny checkpoint is installed when path is empty and tiny is 'scenes'."""
+    tiny_scenes_edit_path: str = "~/models/tiny-scenes-edit/Boogu-Image"
+    """Where the tiny Edit checkpoint is installed when path is empty and tiny is 'scenes_edit'."""
     transformer: Literal["auto", "native", "canonical"] = "native"
     """Our port (native), the checkpoint's own class (canonical, needs trust_remote_code), or auto."""
     trust_remote_code: bool = False
@@ -727,12 +729,12 @@ class TrainerConfig:
             )
             if on
         ]
-        if not self.data.val_files and self.data.demo_set != "scenes":  # the scenes have held-out prompts
+        if not self.data.val_files and self.data.demo_set == "ocr":  # the scene sets have held-out prompts
             uses = [f"eval.every={self.eval.every}"] * (self.eval.every > 0) + on_evaluations
             if uses:
                 raise ConfigError(
                     f"{', '.join(uses)} without data.val_files: evaluation runs on the validation prompts; "
-                    "set data.val_files (parquet files or folders) or data.demo_set=scenes, or turn "
+                    "set data.val_files (parquet files or folders) or data.demo_set=scenes (or scene_edits), or turn "
                     "evaluation off"
                 )
         elif self.eval.every == 0 and on_evaluations:
