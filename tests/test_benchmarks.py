@@ -857,3 +857,42 @@ def test_demo_seeds_writes_paths_in_the_checkout_relative_to_it(monkeypatch):
     assert demo_seeds.recipe_key("examples/tiny_scenes/scenes_demo.yaml") == demo_seeds.recipe_key(
         str(repo / "examples/tiny_scenes/scenes_demo.yaml")
     )
+
+
+def test_edit_guidance_quick(tmp_path, monkeypatch, capsys):
+    """The image-guidance check on the committed Edit checkpoint, at a smoke test's size: every
+    setting is scored, the first is the reference of the paired differences (0 to itself)."""
+    out = tmp_path / "edit_guidance.json"
+    run_script(
+        "edit_guidance.py",
+        [
+            "--prompts",
+            "4",
+            "--steps",
+            "2",
+            "--chunk",
+            "3",
+            "--settings",
+            "4:1,4:2",
+            "--checkpoint",
+            str(_edit_checkpoint(tmp_path)),
+            "--json",
+            str(out),
+        ],
+        monkeypatch,
+    )
+    report = json.loads(out.read_text())
+    first, second = report["settings"]
+    assert (first["guidance_scale"], first["image_guidance_scale"]) == (4.0, 1.0)
+    assert (second["guidance_scale"], second["image_guidance_scale"]) == (4.0, 2.0)
+    assert first["diff_vs_first"] == 0.0 and report["prompts"] == 4
+    assert all(0.0 <= s["scene_edit_exact"] <= 1.0 for s in report["settings"])
+    assert "vs first" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run_script("edit_guidance.py", ["--settings", "4:0.5"], monkeypatch)
+
+
+def _edit_checkpoint(tmp_path: Path) -> Path:
+    from boogu_tiny.checkpoints import ensure_trained_edit_checkpoint
+
+    return ensure_trained_edit_checkpoint(tmp_path / "edit" / "Boogu-Image")
