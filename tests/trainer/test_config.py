@@ -402,8 +402,9 @@ def test_cli_print_config_and_errors(capsys):
         (["data.demo_eval_split=val"], "data.demo_eval_split='val': it picks the built-in scene captions"),
         (
             ["data.demo_set=scenes", "data.val_files=[v.parquet]", "data.demo_eval_split=test"],
-            "data.demo_eval_split='test': it picks the built-in scene captions an evaluation scores when "
-            "data.demo_set='scenes' and data.val_files is empty, but data.val_files=['v.parquet'] is",
+            "data.demo_eval_split='test': it picks the built-in scene captions (or edit pairs) an evaluation "
+            "scores when data.demo_set is 'scenes' or 'scene_edits' and data.val_files is empty, but "
+            "data.val_files=['v.parquet'] is",
         ),
         (["optim.lr=1e39"], "optim.lr=1e+39"),
         (["optim.lr=2"], "optim.lr=2.0"),
