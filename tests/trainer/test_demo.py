@@ -171,34 +171,43 @@ def test_built_in_edit_pairs_hold_out_instructions_and_colour_shape_pairs():
         demo_records(4, "scene_edits", split="unseen")
 
 
-def test_the_held_out_comparison_of_edits_shows_the_reference(tiny_checkpoint, tmp_path):
-    """Edit rows: the grid puts each instruction's reference image above its base and trained edits."""
-    from boogu_trainer import demo as demo_module
-
-    config = load_config(
+def _quick_heldout_config(tiny_checkpoint, tmp_path, *extra: str):
+    """One fast step on the random tiny model (a reward it moves in one step), evaluated at step 1."""
+    return load_config(
         None,
         [
             f"model.path={tiny_checkpoint}",
-            "data.demo_set=scene_edits",
             "data.prompts_per_step=2",
             "algorithm.group_size=2",
             "sampler.num_steps=3",
             "sampler.window_range=[0,2]",
             "sampler.window_size=1",
-            "sampler.image_guidance_scale=1.5",
             "eval.every=1",
-            "eval.num_prompts=3",
             "eval.num_steps=2",
-            "eval.rewards=[{name: scene_edit_exact}]",
-            "reward.rewards=[{name: demo_brightness}]",
+            "reward.rewards=[{name: demo_brightness}]",  # moves the random model in one step
             "total_steps=1",
             f"logging.run_dir={tmp_path}",
             "logging.progress=false",
             "logging.sample_every=0",
             "logging.plot_every=0",
             "checkpoint.save_every=0",
+            *extra,
         ],
         base=demo_config(),
+    )
+
+
+def test_the_held_out_comparison_of_edits_shows_the_reference(tiny_checkpoint, tmp_path):
+    """Edit rows: the grid puts each instruction's reference image above its base and trained edits."""
+    from boogu_trainer import demo as demo_module
+
+    config = _quick_heldout_config(
+        tiny_checkpoint,
+        tmp_path,
+        "data.demo_set=scene_edits",
+        "sampler.image_guidance_scale=1.5",
+        "eval.num_prompts=3",
+        "eval.rewards=[{name: scene_edit_exact}]",
     )
     grids = []
     real = demo_module.sample_grid
@@ -231,30 +240,13 @@ def test_the_held_out_comparison_of_edits_shows_the_reference(tiny_checkpoint, t
 def test_the_held_out_comparison_scores_the_base_with_the_lora_off(tiny_checkpoint, tmp_path):
     """On the random tiny model (fast): 'base' is the evaluation of the model before any update (LoRA
     switched off, bit for bit), 'trained' the one after; the files are written."""
-    config = load_config(
-        None,
-        [
-            f"model.path={tiny_checkpoint}",
-            "data.demo_set=scenes",
-            "data.prompts_per_step=2",
-            "algorithm.group_size=2",
-            "sampler.num_steps=3",
-            "sampler.window_range=[0,2]",
-            "sampler.window_size=1",
-            "eval.every=1",
-            "eval.num_prompts=4",
-            "eval.num_steps=2",
-            "eval.rewards=[{name: scene_exact}]",
-            "reward.rewards=[{name: demo_brightness}]",  # moves the random model in one step
-            "optim.lr=0.05",
-            "total_steps=1",
-            f"logging.run_dir={tmp_path}",
-            "logging.progress=false",
-            "logging.sample_every=0",
-            "logging.plot_every=0",
-            "checkpoint.save_every=0",
-        ],
-        base=demo_config(),
+    config = _quick_heldout_config(
+        tiny_checkpoint,
+        tmp_path,
+        "data.demo_set=scenes",
+        "eval.num_prompts=4",
+        "eval.rewards=[{name: scene_exact}]",
+        "optim.lr=0.05",
     )
     trainer = Trainer(config)
     try:
