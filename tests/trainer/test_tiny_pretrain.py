@@ -298,6 +298,8 @@ def test_edit_assets_keep_only_what_the_edit_build_changed_and_install_on_their_
     base_assets = save_trained_assets(base, tmp_path / "base_assets")
     build = tmp_path / "edit_build"
     edit_pretrain(build, EditPretrainConfig.quick(str(base)), log=lambda _: None)
+    # The build loaded its base from disk; its saved config must not name that machine's folder.
+    assert "_name_or_path" not in json.loads((build / "transformer" / "config.json").read_text())
     assets = save_trained_edit_assets(build, tmp_path / "edit_assets", base_assets=base_assets)
     manifest = verify_trained_assets(assets)
     assert set(manifest["files"]) == {
@@ -365,3 +367,8 @@ def test_the_committed_edit_checkpoint_matches_its_manifest_and_installs(tmp_pat
     report = json.loads((target / "edit_pretrain_report.json").read_text())
     assert report["config"]["seed"] == 0 and report["config"]["layout"] == "grid"
     assert report["scores"]["unseen"]["scene_edit_exact"] >= 0.3  # the target for the base
+    # No committed file names a folder of the machine that built it (a clone elsewhere has none).
+    for assets in (TRAINED_ASSETS, TRAINED_EDIT_ASSETS):
+        for path in sorted(assets.rglob("*.json")):
+            text = path.read_text(encoding="utf-8")
+            assert "_name_or_path" not in text and "/root/" not in text and "/home/" not in text, path

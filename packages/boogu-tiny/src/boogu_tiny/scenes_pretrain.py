@@ -754,6 +754,9 @@ def _save_transformer(model: torch.nn.Module, folder: Path) -> None:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=total // 2 + 1)
     config = json.loads(config_path.read_text(encoding="utf-8"))
+    # diffusers records the folder a loaded model came from: a path of the building machine, which
+    # would then be committed and installed everywhere (an Edit build loads its base from disk).
+    config.pop("_name_or_path", None)
     if auto_map is not None:
         config["auto_map"] = auto_map
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
