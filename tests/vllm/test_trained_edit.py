@@ -96,7 +96,12 @@ LEARNERS: dict[str, list[str]] = {
         "sampler.window_size=0",
         "sampler.image_guidance_scale=1.5",
     ],
-    "awm": ["algorithm.name=awm", "algorithm.awm.timesteps=2", "sampler.window_size=0", "sampler.guidance_scale=1"],
+    "awm": [
+        "algorithm.name=awm",
+        "algorithm.awm.timesteps=2",
+        "sampler.window_size=0",
+        "sampler.guidance_scale=1",
+    ],
 }
 """Every learner (and the FlowGRPO variants the head-to-head runs) on top of `learner_config`."""
 
@@ -154,7 +159,9 @@ def two_steps(config):
 
 
 @pytest.mark.parametrize("learner", list(LEARNERS))
-def test_every_learner_trains_on_the_worker_as_on_the_local_engine(edit_worker, edit_checkpoint, learner, tmp_path):
+def test_every_learner_trains_on_the_worker_as_on_the_local_engine(
+    edit_worker, edit_checkpoint, learner, tmp_path
+):
     """Two steps of each learner on the trained Edit checkpoint's edit rows, rolled out by the worker
     (with its preflight, a LoRA sync before each step) and by the local engine: the same rewards, the
     same reference-and-edit batches to within the engines' float rounding, so the same LoRA update.
@@ -187,6 +194,9 @@ def test_every_learner_trains_on_the_worker_as_on_the_local_engine(edit_worker, 
             assert remote["loss"] == pytest.approx(local["loss"], rel=1e-2, abs=1e-6), (local, remote)
     norm = sum(float(u.double().square().sum()) for u in local_update.values()) ** 0.5
     assert norm > 0, "the edit rows gave no gradient: the comparison would be vacuous"
-    gap = sum(float((remote_update[k].double() - u.double()).square().sum()) for k, u in local_update.items()) ** 0.5
+    gap = (
+        sum(float((remote_update[k].double() - u.double()).square().sum()) for k, u in local_update.items())
+        ** 0.5
+    )
     print(f"{learner}: |LoRA update| {norm:.3e}, |worker - local| {gap:.3e}")
     assert gap <= 0.05 * norm, (learner, gap, norm)
