@@ -255,6 +255,8 @@ def test_dry_run_of_a_training_step_on_two_fake_gpus(tmp_path):
     )
     assert result.ok, result.traceback
     report = result.as_json()
+    # The edit rows reached the rollout, not only the evaluation (run_case also refuses a mismatch).
+    assert report["reference_images"]["rollout"] > 0 and report["reference_images"]["evaluation"] == 2
     assert report["host_reads_in_loops"] == 0, report["host_reads"]["in_loops"]
     assert set(report["host_reads"]["by_design"]) <= set(dryrun.BY_DESIGN)
     # The loop detection works: the optimizer step's two reads, made on purpose, are seen in the loop.

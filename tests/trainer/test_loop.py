@@ -504,3 +504,35 @@ def test_too_few_prompts_are_refused_before_the_model_loads(tiny_checkpoint, tmp
     with pytest.raises(ConfigError, match=r"data\.val_files=.*nope\.parquet"):
         Trainer(missing)
     assert not (tmp_path / "run").exists()
+
+
+def test_replacing_the_training_prompts_reaches_the_steps(tiny_checkpoint, tmp_path):
+    """`Trainer.data` is the one sampler the steps draw from and the checkpoint records: a sampler
+    assigned after the trainer is built (the GPU dry run's edit rows, a benchmark's prompts) is the
+    one the next step rolls out. Before, the batch source kept the sampler it was built with, so the
+    dry run's edit cases silently rolled out its T2I demo prompts."""
+    import io
+
+    from PIL import Image
+
+    from boogu_data import PromptRecord
+    from boogu_trainer.data import PromptSampler
+
+    def reference(shade: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (32, 32), (shade, shade, shade)).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, "total_steps=1"))
+    edits = [
+        PromptRecord(instruction=f"make it brighter {i}", ref_image=reference(40 * i + 20)) for i in range(4)
+    ]
+    trainer.data = PromptSampler(edits, 2, shuffle=False, seed=0)
+    assert trainer.batches.data is trainer.data
+    stats = trainer.engine.stats
+    assert stats.reference_images_encoded == 0
+    trainer.train_step()
+    trainer.close()
+    assert stats.reference_images_encoded == 2  # the step's two prompts were the edit rows
+    # and the sampler the checkpoint records is the one the step drew from
+    assert trainer.data.state_dict()["cursor"] == 2 and trainer.data.state_dict()["num_records"] == 4

@@ -259,6 +259,9 @@ class CaseResult:
     plan: dict[str, float] = field(default_factory=dict)
     """``trainer --plan``'s expected peak GiB per phase for the same recipe and world size."""
     traceback: str | None = None
+    reference_images: dict[str, int] = field(default_factory=dict)
+    """Reference images this rank's engine encoded in the rollout and in the evaluation: the prompts
+    of each on this rank for an edit case, 0 for T2I (the proof that an edit case ran edit rows)."""
 
     def as_json(self) -> dict[str, Any]:
         reads = self.session.host_read_summary() if self.session is not None else {}
@@ -274,6 +277,7 @@ class CaseResult:
             "plan_peak_gb": self.plan.get("step"),
             "peaks_gb": self.peaks,
             "plan_gb": self.plan,
+            "reference_images": self.reference_images,
         }
 
 
@@ -413,8 +417,24 @@ def run_case(
             )
             trainer.evaluator.records = eval_records
             session.reset_peak()
+            stats = trainer.engine.stats
             trainer.train_step()
+            rollout_refs = stats.reference_images_encoded
             trainer.evaluator.evaluate(step=1)
+            result.reference_images = {
+                "rollout": rollout_refs,
+                "evaluation": stats.reference_images_encoded - rollout_refs,
+            }
+            expected = (
+                {"rollout": per_rank, "evaluation": eval_per_rank}
+                if edit
+                else {"rollout": 0, "evaluation": 0}
+            )
+            if result.reference_images != expected:
+                raise DryRunError(
+                    f"the {name} case's engine encoded {result.reference_images} reference images on this "
+                    f"rank, expected {expected}: its rows are not the case's"
+                )
             if session.errors:
                 raise DryRunError("; ".join(session.errors))
         result.peaks = measured_peaks(session)

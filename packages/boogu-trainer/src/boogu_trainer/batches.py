@@ -48,6 +48,10 @@ class BatchSource:
         """The batch requested for a later step (one-step pipelining), else None."""
         return None
 
+    def use_data(self, data: PromptSampler) -> None:
+        """Draw the prompts of the steps to come from ``data`` (`Trainer.data`'s setter)."""
+        self.data = data
+
     def begin(self, step: int) -> None:
         """Step ``step`` starts (before its resume point is taken)."""
 
@@ -131,6 +135,15 @@ class OneStepBatches(BatchSource):
     @property
     def in_flight(self) -> InFlight | None:
         return self.pipe.in_flight
+
+    def use_data(self, data: PromptSampler) -> None:
+        if self.pipe.in_flight is not None:
+            raise RuntimeError(
+                "the prompts cannot be replaced while a batch drawn from the old ones is in flight "
+                "(rollout.pipeline=one_step): replace them before the run's first step"
+            )
+        super().use_data(data)
+        self.pipe.data = data
 
     def begin(self, step: int) -> None:
         pipe = self.pipe

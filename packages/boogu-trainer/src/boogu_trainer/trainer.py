@@ -204,9 +204,22 @@ class Trainer:
         )
         self._build_components(config)
 
+    @property
+    def data(self) -> PromptSampler:
+        """The training prompts, in the order the steps draw them (their position is checkpointed)."""
+        return self._data
+
+    @data.setter
+    def data(self, sampler: PromptSampler) -> None:
+        """Another set of training prompts (a benchmark's, the GPU dry run's edit rows): the batch
+        source draws the coming steps' prompts from it. Kept in one place: a sampler set here but not
+        there would be checkpointed while the steps trained on the old one."""
+        self._data = sampler
+        self.batches.use_data(sampler)
+
     def _build_components(self, config: TrainerConfig) -> None:
         self.rewards = build_rewards(config.reward.rewards)
-        self.data = PromptSampler(
+        self._data = PromptSampler(
             self._checked_records(*self._train_rows),
             config.data.prompts_per_step,
             shuffle=config.data.shuffle,
@@ -259,7 +272,7 @@ class Trainer:
         self.batches: BatchSource = batch_source(
             config.rollout.pipeline,
             self.rollout,
-            self.data,
+            self._data,
             self.dist,
             self.device,
             sampling_policy=self.learner.sampling_policy,
