@@ -536,3 +536,21 @@ def test_replacing_the_training_prompts_reaches_the_steps(tiny_checkpoint, tmp_p
     assert stats.reference_images_encoded == 2  # the step's two prompts were the edit rows
     # and the sampler the checkpoint records is the one the step drew from
     assert trainer.data.state_dict()["cursor"] == 2 and trainer.data.state_dict()["num_records"] == 4
+
+
+def test_the_pipelined_batch_source_takes_new_prompts_only_with_nothing_in_flight():
+    from types import SimpleNamespace
+
+    from boogu_trainer.batches import OneStepBatches
+
+    old, new = SimpleNamespace(name="old"), SimpleNamespace(name="new")
+    dist = SimpleNamespace(shard=lambda n: (0, n))
+    batches = OneStepBatches(
+        None, old, dist, torch.device("cpu"), engine_version=lambda: 0, rollout_weights=dict
+    )
+    batches.use_data(new)
+    assert batches.data is new and batches.pipe.data is new  # the thread that rolls out draws from it
+    batches.pipe.in_flight = object()  # a batch drawn from `new` is being rolled out
+    with pytest.raises(RuntimeError, match="in flight"):
+        batches.use_data(old)
+    assert batches.data is new and batches.pipe.data is new
