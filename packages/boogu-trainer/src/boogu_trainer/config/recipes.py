@@ -87,7 +87,7 @@ def scenes_edit_demo_config() -> TrainerConfig:
     and judged by the exact edit verifier (``scene_edit_exact``) on held-out instructions, with
     upstream's image guidance 1.5 in the rollouts and the evaluation (+0.10 on the base's held-out
     score, benchmarks/README.md), 20 steps, and a 10-step evaluation (the rollouts' sampler): an edit
-    forward costs about twice a T2I one, and this keeps the run near 10 minutes on 2 cores.
+    forward costs about twice a T2I one, so the run takes near 13 minutes on 2 cores.
     ``examples/tiny_scenes/edit_demo.yaml`` is the same as a recipe."""
     demo = scenes_demo_config()
     return replace(
