@@ -2,9 +2,10 @@
 
 Each seed is the demo exactly as a user runs it (the `trainer` command without a recipe, so
 `scenes_demo_config()`, with ``seed=S`` and the given ``--set`` overrides; or ``--recipe``, a
-candidate demo such as ``examples/tiny_scenes/scenes_nft_stable.yaml``), launched as its own
-process into ``--work``/seed_S with ``resume=auto`` (a killed sweep goes on where it stopped: a seed
-whose run has a checkpoint resumes bitwise, one without starts again). When a seed's run ends, its
+candidate demo such as ``examples/tiny_scenes/scenes_nft_stable.yaml``, or the Edit demo's
+``examples/tiny_scenes/edit_demo.yaml``), launched as its own process into ``--work``/seed_S with
+``resume=auto`` (a killed sweep goes on where it stopped: a seed whose run has a checkpoint resumes
+bitwise, one without starts again). When a seed's run ends, its
 ``heldout.json`` (the held-out comparison: base and trained on the same captions and seeds, the
 paired standard error), ``metrics.jsonl`` and ``config.yaml`` are copied to ``--results``/seed_S/,
 the files committed; a seed with those files is not run again, so the same command loads a finished
@@ -309,7 +310,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(
             f"{summary['above_2se']} of {n} seeds gain by more than twice their standard error, "
             f"{summary['below_2se']} lose by more; mean difference over seeds {summary['mean_interval']} "
-            f"(95% t interval), held-out captions per seed {', '.join(map(str, sorted(prompts)))}"
+            f"(95% t interval), held-out prompts per seed {', '.join(map(str, sorted(prompts)))}"
         )
     if summary["missing"]:
         print(f"not run yet: seeds {summary['missing']}")
@@ -329,7 +330,7 @@ def compare(summary: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
             continue
         if them["base"] != row["base"] or them["prompts"] != row["prompts"]:
             raise SystemExit(
-                f"seed {row['seed']}: the two sweeps' bases differ ({row['base']} on {row['prompts']} captions vs "
+                f"seed {row['seed']}: the two sweeps' bases differ ({row['base']} on {row['prompts']} prompts vs "
                 f"{them['base']} on {them['prompts']}): not the same evaluation, so not a paired comparison"
             )
         pairs.append({"seed": row["seed"], "advantage": row["trained"] - them["trained"]})
@@ -366,7 +367,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--recipe",
-        help="run this recipe instead of the demo (its held-out comparison must be on built-in scene captions)",
+        help="run this recipe instead of the demo (its held-out comparison on built-in scene captions or edit instructions)",
     )
     parser.add_argument(
         "--seeds", default="300-309", help="seeds, e.g. 300-309 or 0,3,7 (default %(default)s)"
