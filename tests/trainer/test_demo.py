@@ -110,6 +110,19 @@ def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
         demo_records(4, "scenes", split="unseen")
 
 
+def test_the_edit_demo_candidate_changes_only_the_training_reward():
+    # The pre-registered candidate (benchmarks/README.md) is the Edit demo with the partial credit
+    # beside the verdict in training; the evaluation, the learner and the budget are the demo's.
+    candidate = config_to_dict(load_config(str(SCENES / "edit_demo_partial_credit.yaml"), []))
+    demo = config_to_dict(scenes_edit_demo_config())
+    assert [r["name"] for r in candidate["reward"]["rewards"]] == ["scene_edit_exact", "scene_edit_dense"]
+    assert [r["weight"] for r in candidate["reward"]["rewards"]] == [1.0, 1.0]
+    assert candidate["logging"]["name"] == "edit_demo_partial_credit"
+    for config in (candidate, demo):
+        del config["reward"]["rewards"], config["logging"]["name"]
+    assert candidate == demo
+
+
 def test_the_edit_demo_recipe_is_the_edit_demo(capsys):
     # `trainer edit` (a built-in recipe by name) and its recipe copy run the same settings: the T2I
     # demo's learner on the edit pairs, with the Edit checkpoint and the edit verifier.

@@ -39,6 +39,20 @@ class FailingVerdict:
         return torch.zeros(images.shape[0])
 
 
+class PassingVerdict(FailingVerdict):
+    """A pass/fail verifier that passes every probe image."""
+
+    name = "passing_verdict"
+
+    def __call__(self, images, records):
+        return torch.ones(images.shape[0])
+
+
+def top_partial_credit(images, records):
+    """A partial-credit reward at its top score, as scene_edit_dense is on images scene_edit_exact passes."""
+    return torch.ones(images.shape[0])
+
+
 def lora_of(trainer):
     return {k: v.detach().clone() for k, v in lora_state_dict(trainer.transformer).items()}
 
@@ -271,6 +285,42 @@ def test_a_pass_fail_reward_failing_every_probe_image_is_noted_not_a_stop(tiny_c
         trainer.rewards = build_rewards(trainer.config.reward.rewards)
         with pytest.raises(PreflightError, match="do not vary within or across"):
             run_preflight(trainer)
+    finally:
+        trainer.close()
+
+
+def test_every_probe_image_passing_its_verdict_is_noted_with_a_partial_credit_reward_beside(
+    tiny_checkpoint, tmp_path
+):
+    # The Edit demo's exact-plus-partial-credit reward (scene_edit_exact + scene_edit_dense) on a base
+    # that edits all 4 probe images right: both rewards are at their top, rightly. Beside failing
+    # verdicts the partial credit must vary (the test above): there it is the only signal.
+    rewards = (
+        "reward.rewards=[{name: 'tests.trainer.test_preflight:PassingVerdict'}, "
+        "{name: 'tests.trainer.test_preflight:top_partial_credit'}]"
+    )
+    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, rewards))
+    try:
+        report = run_preflight(trainer)
+        check = next(c for c in report.checks if c.name == "reward_spread")
+        assert report.passed and check.passed is None, check
+        assert check.numbers["max_group_std"] == 0 and check.numbers["reward_mean"] == 2.0
+        assert (
+            "reward(s) ['tests.trainer.test_preflight:PassingVerdict'] gave all 4 probe images the verdict 1, "
+            "and ['tests.trainer.test_preflight:top_partial_credit'] a constant beside it" in check.detail
+        )
+        # Two verdicts and nothing graded: each gave all 4 images one verdict (1 and 0), noted as one
+        # verdict alone is.
+        trainer.config = small_config(
+            tiny_checkpoint,
+            tmp_path,
+            "reward.rewards=[{name: 'tests.trainer.test_preflight:PassingVerdict'}, "
+            "{name: 'tests.trainer.test_preflight:FailingVerdict', label: failing}]",
+        )
+        trainer.rewards = build_rewards(trainer.config.reward.rewards)
+        report = run_preflight(trainer)
+        check = next(c for c in report.checks if c.name == "reward_spread")
+        assert check.passed is None and "the verdict 0/1 (" in check.detail, check
     finally:
         trainer.close()
 

@@ -369,15 +369,22 @@ def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: lis
             logger.warning("preflight: %s", detail)
             return CheckResult("reward_spread", True, numbers, detail)
         values = sorted({round(float(x), 6) for x in finite.tolist()})[:4]
-        if _pass_fail(trainer.rewards) and set(values) <= {0.0, 1.0}:
+        verdicts = _one_verdict(trainer.rewards, per)
+        others = [label for label in labels if label not in verdicts and trainer.rewards.weights[label] != 0]
+        if verdicts and (not others or set(verdicts.values()) == {1.0}):
             # A verdict (0 or 1) that the base model earns a fraction of the time gives all of a few
             # few-step probe images the same verdict often (a pass rate of 0.3 leaves 4 images all
-            # failing one time in four): no evidence of a broken reward. The run's
-            # reward/zero_std_share shows whether the groups ever split.
+            # failing one time in four): no evidence of a broken reward. When every image passes, a
+            # partial-credit reward beside the verdict may rightly give them all its top score (one
+            # that is 1 exactly when the verdict is 1: scene_edit_dense beside scene_edit_exact);
+            # beside failing verdicts it must vary. The run's reward/zero_std_share shows whether the
+            # groups ever split.
+            said = sorted(set(verdicts.values()))
             detail = (
-                f"the pass/fail reward(s) {labels} gave all {finite.numel()} probe images the verdict "
-                f"{values[0]:g} (images of {PROBE_STEPS} denoising steps): spread not checked; "
-                "watch reward/zero_std_share"
+                f"the pass/fail reward(s) {list(verdicts)} gave all {finite.numel()} probe images the verdict "
+                + ("/".join(f"{v:g}" for v in said))
+                + (f", and {others} a constant beside it" if others else "")
+                + f" (images of {PROBE_STEPS} denoising steps): spread not checked; watch reward/zero_std_share"
             )
             logger.warning("preflight: %s", detail)
             return CheckResult("reward_spread", None, numbers, detail)
@@ -395,10 +402,20 @@ def check_reward_spread(trainer: PreflightTarget, traj: Trajectory, records: lis
     return CheckResult("reward_spread", True, numbers, detail)
 
 
-def _pass_fail(rewards: WeightedRewards) -> bool:
-    """Every reward that enters the total declares its scores to be verdicts in {0, 1}."""
-    scored = [reward for _, weight, reward in rewards.terms if weight != 0]
-    return bool(scored) and all(getattr(reward, "pass_fail", False) is True for reward in scored)
+def _one_verdict(rewards: WeightedRewards, per: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The pass/fail rewards that enter the total (each declares its scores to be verdicts in {0, 1})
+    with the one verdict each gave every finite probe score, by label; empty when no such reward
+    enters the total or one of them gave two verdicts or a score outside {0, 1}."""
+    verdicts = {}
+    for label, weight, reward in rewards.terms:
+        if weight == 0 or getattr(reward, "pass_fail", False) is not True:
+            continue
+        scores = per[label][torch.isfinite(per[label])]
+        seen = {float(x) for x in scores.tolist()}
+        if len(seen) != 1 or not seen <= {0.0, 1.0}:
+            return {}
+        verdicts[label] = seen.pop()
+    return verdicts
 
 
 def check_ratio_and_gradients(trainer: PreflightTarget, traj: Trajectory) -> tuple[CheckResult, CheckResult]:
