@@ -53,6 +53,12 @@ def top_partial_credit(images, records):
     return torch.ones(images.shape[0])
 
 
+def use_rewards(trainer, config):
+    """Give a built trainer another recipe's rewards (the probe's model and data stay)."""
+    trainer.config = config
+    trainer.rewards = build_rewards(config.reward.rewards)
+
+
 def lora_of(trainer):
     return {k: v.detach().clone() for k, v in lora_state_dict(trainer.transformer).items()}
 
@@ -276,13 +282,15 @@ def test_a_pass_fail_reward_failing_every_probe_image_is_noted_not_a_stop(tiny_c
             "reward(s) ['tests.trainer.test_preflight:FailingVerdict'] gave all 4 probe images the verdict 0"
             in (check.detail)
         )
-        trainer.config = small_config(
-            tiny_checkpoint,
-            tmp_path,
-            "reward.rewards=[{name: 'tests.trainer.test_preflight:FailingVerdict'}, "
-            "{name: 'tests.trainer.test_preflight:constant_reward', weight: 0.5}]",
+        use_rewards(
+            trainer,
+            small_config(
+                tiny_checkpoint,
+                tmp_path,
+                "reward.rewards=[{name: 'tests.trainer.test_preflight:FailingVerdict'}, "
+                "{name: 'tests.trainer.test_preflight:constant_reward', weight: 0.5}]",
+            ),
         )
-        trainer.rewards = build_rewards(trainer.config.reward.rewards)
         with pytest.raises(PreflightError, match="do not vary within or across"):
             run_preflight(trainer)
     finally:
@@ -311,15 +319,16 @@ def test_every_probe_image_passing_its_verdict_is_noted_with_a_partial_credit_re
         )
         # Two verdicts and nothing graded: each gave all 4 images one verdict (1 and 0), noted as one
         # verdict alone is.
-        trainer.config = small_config(
-            tiny_checkpoint,
-            tmp_path,
-            "reward.rewards=[{name: 'tests.trainer.test_preflight:PassingVerdict'}, "
-            "{name: 'tests.trainer.test_preflight:FailingVerdict', label: failing}]",
+        use_rewards(
+            trainer,
+            small_config(
+                tiny_checkpoint,
+                tmp_path,
+                "reward.rewards=[{name: 'tests.trainer.test_preflight:PassingVerdict'}, "
+                "{name: 'tests.trainer.test_preflight:FailingVerdict', label: failing}]",
+            ),
         )
-        trainer.rewards = build_rewards(trainer.config.reward.rewards)
-        report = run_preflight(trainer)
-        check = next(c for c in report.checks if c.name == "reward_spread")
+        check = next(c for c in run_preflight(trainer).checks if c.name == "reward_spread")
         assert check.passed is None and "the verdict 0/1 (" in check.detail, check
     finally:
         trainer.close()
