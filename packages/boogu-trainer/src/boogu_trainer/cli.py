@@ -11,6 +11,8 @@ trainer resume=auto                       continue the demo (or a recipe run) fr
 trainer [RECIPE.yaml] --print-config      print the resolved config and exit
 trainer RECIPE.yaml --plan [--gpu-memory GB] [--world-size N] [--references N]   print the expected peak memory per GPU and exit
 trainer RECIPE.yaml --preflight           run only the preflight checks (boogu_trainer.preflight); exit 0/1
+trainer RECIPE.yaml --prompt-stats PATH [--samples K] [--prompts N]   each training prompt's reward spread
+                                          over K samples of the starting model (for data.prompt_stats)
 """
 
 from __future__ import annotations
@@ -79,6 +81,24 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
         action="store_true",
         help="build the model, run only the preflight checks (LoRA targets, gradients, on-policy ratio, "
         "reward spread, weight sync), print the report and exit 0 (passed) or 1; nothing is trained or written",
+    )
+    parser.add_argument(
+        "--prompt-stats",
+        metavar="PATH",
+        help="roll out each training prompt --samples times with the recipe's rollout settings before any "
+        "update, write each prompt's reward mean and spread to PATH (JSON, for data.prompt_stats) and exit",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        metavar="K",
+        help="with --prompt-stats: samples per prompt (default: algorithm.group_size)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        metavar="N",
+        help="with --prompt-stats: only the first N training prompts (default: all)",
     )
     parser.add_argument(
         "--gpu-memory",
@@ -150,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         print(config_to_yaml(config), end="")
         return 0
+    if ns.prompt_stats is None and (ns.samples is not None or ns.prompts is not None):
+        print("trainer: --samples and --prompts only apply with --prompt-stats", file=sys.stderr)
+        return 2
+    if (ns.samples is not None and ns.samples < 2) or (ns.prompts is not None and ns.prompts < 1):
+        print(
+            f"trainer: --samples {ns.samples} / --prompts {ns.prompts}: need >= 2 samples and >= 1 prompt",
+            file=sys.stderr,
+        )
+        return 2
     if not ns.plan and (ns.gpu_memory is not None or ns.world_size is not None or ns.references is not None):
         print("trainer: --gpu-memory, --world-size and --references only apply with --plan", file=sys.stderr)
         return 2
@@ -172,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.preflight:
         return preflight_only(config)
+    if ns.prompt_stats is not None:
+        return prompt_stats_only(config, ns.prompt_stats, samples=ns.samples, limit=ns.prompts or 0)
     return run(config, demo=recipe is None)
 
 
@@ -206,6 +237,50 @@ def preflight_only(config: TrainerConfig) -> int:
         for failure in report.failures:
             print(f"trainer: preflight check {failure.name!r} failed: {failure.detail}", file=sys.stderr)
     return 0 if report.passed else 1
+
+
+def prompt_stats_only(config: TrainerConfig, path: str, *, samples: int | None, limit: int) -> int:
+    """``--prompt-stats PATH``: build the trainer (no run folder is written) on every training prompt
+    (``data.prompt_stats`` is ignored: the file measures the prompts it would filter), roll each out
+    ``samples`` times, write the statistics (`boogu_trainer.prompt_stats`) and print a summary."""
+    from dataclasses import replace
+
+    from boogu_trainer.distributed import DistEnv
+    from boogu_trainer.prompt_stats import measure_prompt_stats, write_prompt_stats
+    from boogu_trainer.trainer import Trainer
+
+    _quiet_libraries()
+    config = replace(config, data=replace(config.data, prompt_stats=""))
+    samples = samples or config.algorithm.group_size
+    dist = DistEnv.from_environment(
+        config.distributed.backend, config.model.device, config.distributed.timeout_s
+    )
+    trainer = None
+    log_dir = tempfile.TemporaryDirectory(prefix="boogu-prompt-stats-")
+    started = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        print(f"  prompt stats: {done}/{total} prompts ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    try:
+        trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name), lock=False)
+        stats = measure_prompt_stats(trainer, samples=samples, limit=limit, progress=progress)
+    except (ConfigError, ValueError) as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist.close()
+        log_dir.cleanup()
+    written = write_prompt_stats(stats, path)
+    rows = stats["prompts"]
+    spread = sum(1 for r in rows if r["std"] is not None and r["std"] > 0)
+    print(
+        f"{written}: {len(rows)} prompts x {samples} samples; {spread} ({spread / len(rows):.0%}) have a "
+        f"reward spread (std > 0), the rest scored alike in every sample"
+    )
+    return 0
 
 
 def run(config: TrainerConfig, *, demo: bool = False) -> int:

@@ -65,6 +65,7 @@ from boogu_trainer.onpolicy import ON_POLICY_FIX, on_policy_problem
 from boogu_trainer.pipeline import InFlight
 from boogu_trainer.plan import check_rollout_fits, rank_text_encoder_placement
 from boogu_trainer.preflight import PreflightReport, preflight_due, run_preflight
+from boogu_trainer.prompt_stats import filter_records
 from boogu_trainer.rewards import build_rewards
 from boogu_trainer.scoring import RolloutScorer, ScoredBatch
 from boogu_trainer.step_metrics import StepMetrics
@@ -152,6 +153,13 @@ class Trainer:
         ckpt.seed_global_rngs(config.seed)
         # The prompts before the model: a data error costs seconds, not a model load.
         self._train_rows = self._read_records(config.data.train_files, "data.train_files")
+        if config.data.prompt_stats:  # only the prompts whose samples differed there (prompt_stats.py)
+            try:
+                self._train_rows = filter_records(
+                    *self._train_rows, config.data.prompt_stats, config.data.prompt_stats_min_std
+                )
+            except ValueError as error:
+                raise ConfigError(f"data.prompt_stats={config.data.prompt_stats!r}: {error}") from error
         self._val_rows = (
             self._read_records(config.data.val_files, "data.val_files")
             if config.data.val_files or config.data.demo_set != "ocr"
@@ -160,7 +168,8 @@ class Trainer:
         if len(self._train_rows[0]) < config.data.prompts_per_step:
             raise ConfigError(
                 f"data.prompts_per_step={config.data.prompts_per_step}: the training prompts "
-                f"({', '.join(config.data.train_files) or 'built-in demo prompts'}) hold only "
+                f"({', '.join(config.data.train_files) or 'built-in demo prompts'}"
+                f"{', those with a spread in ' + config.data.prompt_stats if config.data.prompt_stats else ''}) hold only "
                 f"{len(self._train_rows[0])}; a step needs {config.data.prompts_per_step}"
             )
         # Before the model, and before anything is written in the run folder (it holds only its lock).

@@ -61,9 +61,19 @@ class DataConfig:
     """The built-in prompts: OCR prompts (demo_prompts of the Flow-GRPO test split), procedural-scene captions (boogu-data scenes --layout grid, as the tiny model was pretrained: train-split captions for training; data.demo_eval_split for evaluation when val_files is empty), or the scene edit pairs (boogu-data scenes --edits: an instruction and the rendered source scene as the reference; split as the captions)."""
     demo_eval_split: Literal["heldout", "val", "test"] = "heldout"
     """demo_set=scenes or scene_edits: the evaluation prompts when val_files is empty: heldout (train-split captions or edit instructions never used for training, a quarter of them), or the scene set's val or test split (colour-shape pairs the pretraining never saw)."""
+    prompt_stats: str = ""
+    """A prompt statistics file (`trainer RECIPE --prompt-stats PATH`: each training prompt's reward spread over a few samples of the starting model): train only on the prompts whose spread there is above prompt_stats_min_std; empty: every prompt."""
+    prompt_stats_min_std: float = 0.0
+    """With prompt_stats: the reward standard deviation a prompt's samples must exceed to be trained on (0: any spread)."""
 
     def __post_init__(self) -> None:
         check(self.prompts_per_step >= 1, "data.prompts_per_step", self.prompts_per_step, ">= 1")
+        check(
+            math.isfinite(self.prompt_stats_min_std) and self.prompt_stats_min_std >= 0,
+            "data.prompt_stats_min_std",
+            self.prompt_stats_min_std,
+            "a finite number >= 0",
+        )
         check(self.demo_prompts >= 1, "data.demo_prompts", self.demo_prompts, ">= 1")
         if self.demo_set == "ocr":
             check(
