@@ -15,7 +15,13 @@ from boogu_schedule import derive_seed
 from boogu_trainer.cli import main
 from boogu_trainer.config import ConfigError, load_config, scenes_demo_config
 from boogu_trainer.data import demo_records
-from boogu_trainer.prompt_stats import FORMAT, filter_records, prompt_key, read_prompt_stats
+from boogu_trainer.prompt_stats import (
+    FORMAT,
+    filter_records,
+    measure_prompt_stats,
+    prompt_key,
+    read_prompt_stats,
+)
 from boogu_trainer.trainer import Trainer
 from tests.trainer.test_loop import small_config
 
@@ -64,6 +70,7 @@ def test_prompt_stats_measures_each_training_prompt_before_any_update(
     assert [r["prompt"] for r in stats["prompts"]] == [r.instruction for r in records]
     assert f"{out}: 5 prompts x 3 samples" in printed
     assert not (tmp_path / "run").exists() and list(temp.iterdir()) == []  # nothing else written
+    assert [p.name for p in out.parent.iterdir()] == ["ocr.json"]  # the partial file is gone
 
     # The figures are the recipe's rollouts of each prompt (the demo's settings under the overrides,
     # as `trainer` without a recipe loads them), 3 samples each, with the noise of "prompt_stats".
@@ -88,6 +95,34 @@ def test_prompt_stats_measures_each_training_prompt_before_any_update(
     finally:
         trainer.close()
     assert any(row["std"] > 0 for row in stats["prompts"])  # the brightness of 3 samples differs
+
+    # Killed after its first engine call, the measurement goes on from its partial file and ends
+    # where an uninterrupted one does; a partial file of other settings is refused, not mixed in.
+    trainer = Trainer(config, lock=False)
+    partial = tmp_path / "resume" / "ocr.json.partial"
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first_call(done, total):
+        if done == 3:
+            raise Killed
+
+    try:
+        with pytest.raises(Killed):
+            measure_prompt_stats(trainer, samples=3, limit=5, progress=kill_after_first_call, partial=partial)
+        assert [r["key"] for r in json.loads(partial.read_text())["prompts"]] == [
+            r["key"] for r in stats["prompts"][:3]
+        ]
+        calls = []
+        resumed = measure_prompt_stats(
+            trainer, samples=3, limit=5, progress=lambda d, t: calls.append(d), partial=partial
+        )
+        assert calls == [5] and resumed == stats  # one call left; the same file content
+        with pytest.raises(ValueError, match=r"other settings \(samples\); remove it"):
+            measure_prompt_stats(trainer, samples=2, limit=5, partial=partial)
+    finally:
+        trainer.close()
 
     # Refused up front: options without --prompt-stats, too few samples.
     assert main([*args, "--samples", "3"]) == 2

@@ -242,7 +242,8 @@ def preflight_only(config: TrainerConfig) -> int:
 def prompt_stats_only(config: TrainerConfig, path: str, *, samples: int | None, limit: int) -> int:
     """``--prompt-stats PATH``: build the trainer (no run folder is written) on every training prompt
     (``data.prompt_stats`` is ignored: the file measures the prompts it would filter), roll each out
-    ``samples`` times, write the statistics (`boogu_trainer.prompt_stats`) and print a summary."""
+    ``samples`` times, write the statistics (`boogu_trainer.prompt_stats`) and print a summary. The
+    prompts measured so far are kept in ``PATH.partial``: the same command goes on after a kill."""
     from dataclasses import replace
 
     from boogu_trainer.distributed import DistEnv
@@ -256,6 +257,8 @@ def prompt_stats_only(config: TrainerConfig, path: str, *, samples: int | None, 
         config.distributed.backend, config.model.device, config.distributed.timeout_s
     )
     trainer = None
+    # A killed measurement goes on from here (the prompts measured so far); removed when PATH is written.
+    partial = Path(path).expanduser().with_name(Path(path).name + ".partial")
     log_dir = tempfile.TemporaryDirectory(prefix="boogu-prompt-stats-")
     started = time.perf_counter()
 
@@ -264,7 +267,9 @@ def prompt_stats_only(config: TrainerConfig, path: str, *, samples: int | None, 
 
     try:
         trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name), lock=False)
-        stats = measure_prompt_stats(trainer, samples=samples, limit=limit, progress=progress)
+        stats = measure_prompt_stats(
+            trainer, samples=samples, limit=limit, progress=progress, partial=partial
+        )
     except (ConfigError, ValueError) as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
@@ -274,6 +279,7 @@ def prompt_stats_only(config: TrainerConfig, path: str, *, samples: int | None, 
         dist.close()
         log_dir.cleanup()
     written = write_prompt_stats(stats, path)
+    partial.unlink(missing_ok=True)
     rows = stats["prompts"]
     spread = sum(1 for r in rows if r["std"] is not None and r["std"] > 0)
     print(

@@ -75,6 +75,7 @@ def measure_prompt_stats(
     samples: int,
     limit: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    partial: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Roll out each of the trainer's training prompts (the first ``limit``; 0: all) ``samples``
     times with its rollout settings and weights as built (before any update), score them with its
@@ -82,8 +83,13 @@ def measure_prompt_stats(
     call; the noise comes from ``derive_seed(seed, "prompt_stats", call)``, apart from the training
     rollouts'. One process only (the statistics would otherwise need gathering).
 
+    ``partial``: a file the prompts measured so far are written to after each call; a measurement
+    that finds one of its own (same settings, same prompts so far) goes on from it, and its result
+    equals an uninterrupted one's (the noise of a call depends only on its index).
+
     Raises:
-        ValueError: ``samples`` below 2 (a standard deviation needs two) or a run on several ranks.
+        ValueError: ``samples`` below 2 (a standard deviation needs two), a run on several ranks, or
+            a ``partial`` file of another measurement.
     """
     if samples < 2:
         raise ValueError(f"--samples {samples}: the spread of a prompt's rewards needs at least 2 samples")
@@ -97,8 +103,23 @@ def measure_prompt_stats(
     if limit:
         records = records[:limit]
     chunk = config.data.prompts_per_step
-    rows: list[dict[str, Any]] = []
+    # The settings as JSON gives them back (tuples become lists), to compare with a partial file's.
+    header = json.loads(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "samples": samples,
+                "seed": config.seed,
+                "rewards": trainer.rewards.weights,
+                "model": config.model.path or f"tiny {config.model.tiny}",
+                "sampler": asdict(config.sampler),
+            }
+        )
+    )
+    rows = _resumed_rows(partial, header, records) if partial is not None else []
     for call, start in enumerate(range(0, len(records), chunk)):
+        if start < len(rows):
+            continue
         batch = records[start : start + chunk]
         request = replace(
             trainer.rollout.request(batch, group_offset=0, step=0),
@@ -123,17 +144,37 @@ def measure_prompt_stats(
                     "per_reward": {k: _finite_or_none(v[i].mean()) for k, v in per.items()},
                 }
             )
+        if partial is not None:
+            write_prompt_stats({**header, "prompts": rows}, partial)
         if progress is not None:
             progress(len(rows), len(records))
-    return {
-        "format": FORMAT,
-        "samples": samples,
-        "seed": config.seed,
-        "rewards": trainer.rewards.weights,
-        "model": config.model.path or f"tiny {config.model.tiny}",
-        "sampler": asdict(config.sampler),
-        "prompts": rows,
-    }
+    return {**header, "prompts": rows}
+
+
+def _resumed_rows(
+    partial: str | os.PathLike, header: dict[str, Any], records: Sequence[PromptRecord]
+) -> list[dict[str, Any]]:
+    """The rows of an interrupted measurement with these settings and prompts (none without a file)."""
+    path = Path(partial).expanduser()
+    if not path.exists():
+        return []
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} (an interrupted measurement) cannot be read: {error}; remove it") from None
+    differ = [k for k in header if not isinstance(saved, dict) or saved.get(k) != header[k]]
+    rows = saved.get("prompts") if isinstance(saved, dict) else None
+    if differ or not isinstance(rows, list):
+        raise ValueError(
+            f"{path} holds an interrupted measurement with other settings ({', '.join(differ) or 'prompts'}); "
+            "remove it to measure again"
+        )
+    keys = [prompt_key(r) for r in records[: len(rows)]]
+    if len(rows) > len(records) or [r.get("key") for r in rows] != keys:
+        raise ValueError(
+            f"{path} holds an interrupted measurement of other prompts; remove it to measure again"
+        )
+    return rows
 
 
 def _finite_or_none(value) -> float | None:
