@@ -5,6 +5,7 @@ name before a model loads."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import replace
 
@@ -71,6 +72,9 @@ def test_prompt_stats_measures_each_training_prompt_before_any_update(
     assert f"{out}: 5 prompts x 3 samples" in printed
     assert not (tmp_path / "run").exists() and list(temp.iterdir()) == []  # nothing else written
     assert [p.name for p in out.parent.iterdir()] == ["ocr.json"]  # the partial file is gone
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # readable as any file the user writes
 
     # The figures are the recipe's rollouts of each prompt (the demo's settings under the overrides,
     # as `trainer` without a recipe loads them), 3 samples each, with the noise of "prompt_stats".

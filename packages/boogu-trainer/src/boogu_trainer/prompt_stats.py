@@ -188,6 +188,9 @@ def write_prompt_stats(stats: dict[str, Any], path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # a file as open() makes it (mkstemp's are private)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(stats, f, indent=1)
             f.write("\n")
