@@ -24,11 +24,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import contextlib
 import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from boogu_trainer import __version__
 from boogu_trainer.config import (
@@ -42,6 +45,9 @@ from boogu_trainer.config import (
     load_config,
     scenes_demo_config,
 )
+
+if TYPE_CHECKING:
+    from boogu_trainer.trainer import Trainer
 
 _BUILT_IN = {
     "ocr": "built-in prompts",
@@ -206,10 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     return run(config, demo=recipe is None)
 
 
-def preflight_only(config: TrainerConfig) -> int:
-    """``--preflight``: build the trainer (no run folder is written), run the checks, print the report."""
+@contextlib.contextmanager
+def _probe_trainer(config: TrainerConfig, prefix: str) -> Iterator[Trainer]:
+    """A trainer for a command that only probes (``--preflight``, ``--prompt-stats``): it writes no
+    run folder (``lock=False``: neither creates nor locks it), and a launched rollout worker logs to a
+    temporary folder (``prefix``) removed with everything else at the end, passed or failed."""
     from boogu_trainer.distributed import DistEnv
-    from boogu_trainer.preflight import PreflightError, run_preflight
     from boogu_trainer.trainer import Trainer
 
     _quiet_libraries()
@@ -217,22 +225,29 @@ def preflight_only(config: TrainerConfig) -> int:
         config.distributed.backend, config.model.device, config.distributed.timeout_s
     )
     trainer = None
-    # A launched rollout worker logs to a temporary folder, removed at the end: --preflight writes
-    # no run folder and leaves nothing behind.
-    log_dir = tempfile.TemporaryDirectory(prefix="boogu-preflight-")
+    log_dir = tempfile.TemporaryDirectory(prefix=prefix)
     try:
-        # lock=False: it writes nothing into the run folder, so it neither creates nor locks it.
         trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name), lock=False)
-        report = run_preflight(trainer, raise_on_failure=False)
-    except PreflightError as e:
-        print(f"trainer: {e}", file=sys.stderr)
-        return 1
+        yield trainer
     finally:
         if trainer is not None:
             trainer.close()
         dist.close()
         log_dir.cleanup()
-    if dist.is_main:
+
+
+def preflight_only(config: TrainerConfig) -> int:
+    """``--preflight``: build the trainer (no run folder is written), run the checks, print the report."""
+    from boogu_trainer.preflight import PreflightError, run_preflight
+
+    try:
+        with _probe_trainer(config, "boogu-preflight-") as trainer:
+            report = run_preflight(trainer, raise_on_failure=False)
+            is_main = trainer.dist.is_main
+    except PreflightError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return 1
+    if is_main:
         print(report.render())
         for failure in report.failures:
             print(f"trainer: preflight check {failure.name!r} failed: {failure.detail}", file=sys.stderr)
@@ -246,38 +261,25 @@ def prompt_stats_only(config: TrainerConfig, path: str, *, samples: int | None, 
     prompts measured so far are kept in ``PATH.partial``: the same command goes on after a kill."""
     from dataclasses import replace
 
-    from boogu_trainer.distributed import DistEnv
     from boogu_trainer.prompt_stats import measure_prompt_stats, write_prompt_stats
-    from boogu_trainer.trainer import Trainer
 
-    _quiet_libraries()
     config = replace(config, data=replace(config.data, prompt_stats=""))
     samples = samples or config.algorithm.group_size
-    dist = DistEnv.from_environment(
-        config.distributed.backend, config.model.device, config.distributed.timeout_s
-    )
-    trainer = None
     # A killed measurement goes on from here (the prompts measured so far); removed when PATH is written.
     partial = Path(path).expanduser().with_name(Path(path).name + ".partial")
-    log_dir = tempfile.TemporaryDirectory(prefix="boogu-prompt-stats-")
     started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
         print(f"  prompt stats: {done}/{total} prompts ({time.perf_counter() - started:.0f} s)", flush=True)
 
     try:
-        trainer = Trainer(config, dist=dist, worker_log_dir=Path(log_dir.name), lock=False)
-        stats = measure_prompt_stats(
-            trainer, samples=samples, limit=limit, progress=progress, partial=partial
-        )
+        with _probe_trainer(config, "boogu-prompt-stats-") as trainer:
+            stats = measure_prompt_stats(
+                trainer, samples=samples, limit=limit, progress=progress, partial=partial
+            )
     except (ConfigError, ValueError) as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2
-    finally:
-        if trainer is not None:
-            trainer.close()
-        dist.close()
-        log_dir.cleanup()
     written = write_prompt_stats(stats, path)
     partial.unlink(missing_ok=True)
     rows = stats["prompts"]
