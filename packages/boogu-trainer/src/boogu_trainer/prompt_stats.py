@@ -22,13 +22,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from boogu_data import PromptRecord
+from boogu_data.atomic import atomic_write_text
 from boogu_schedule import derive_seed
 
 if TYPE_CHECKING:
@@ -183,21 +183,9 @@ def _finite_or_none(value) -> float | None:
 
 
 def write_prompt_stats(stats: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``stats`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    """Write ``stats`` to ``path`` whole or not at all (`boogu_data.atomic.atomic_write_text`)."""
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # a file as open() makes it (mkstemp's are private)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(stats, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(stats, indent=1) + "\n")
     return path
 
 
