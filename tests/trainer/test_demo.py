@@ -110,16 +110,14 @@ def test_built_in_scene_prompts_hold_out_captions_and_colour_shape_pairs():
         demo_records(4, "scenes", split="unseen")
 
 
-def test_the_edit_demo_candidate_changes_only_the_training_reward():
-    # The pre-registered candidate (benchmarks/README.md) is the Edit demo with the partial credit
-    # beside the verdict in training; the evaluation, the learner and the budget are the demo's.
+def test_the_edit_demo_is_its_pre_registered_candidate():
+    # The candidate's ten-seed table (benchmarks/README.md) ran edit_demo_partial_credit.yaml; it won,
+    # so the demo is those settings: the table describes `trainer edit` only while they stay equal.
     candidate = config_to_dict(load_config(str(SCENES / "edit_demo_partial_credit.yaml"), []))
     demo = config_to_dict(scenes_edit_demo_config())
-    assert [r["name"] for r in candidate["reward"]["rewards"]] == ["scene_edit_exact", "scene_edit_dense"]
-    assert [r["weight"] for r in candidate["reward"]["rewards"]] == [1.0, 1.0]
     assert candidate["logging"]["name"] == "edit_demo_partial_credit"
-    for config in (candidate, demo):
-        del config["reward"]["rewards"], config["logging"]["name"]
+    assert demo["logging"]["name"] == "edit_demo"
+    del candidate["logging"]["name"], demo["logging"]["name"]
     assert candidate == demo
 
 
@@ -131,11 +129,12 @@ def test_the_edit_demo_recipe_is_the_edit_demo(capsys):
     config = scenes_edit_demo_config()
     assert config.model.tiny == "scenes_edit" and not config.model.path
     assert config.data.demo_set == "scene_edits" and not config.data.train_files and not config.data.val_files
-    assert (
-        [r.name for r in config.reward.rewards]
-        == [r.name for r in config.eval.rewards]
-        == ["scene_edit_exact"]
-    )
+    # Trained on the verdict plus its partial credit (weights 1 and 1), judged by the verdict alone.
+    assert [(r.name, r.weight) for r in config.reward.rewards] == [
+        ("scene_edit_exact", 1.0),
+        ("scene_edit_dense", 1.0),
+    ]
+    assert [r.name for r in config.eval.rewards] == ["scene_edit_exact"]
     assert (
         config.eval.every > 0
         and config.total_steps % config.eval.every == 0
