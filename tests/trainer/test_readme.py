@@ -1,5 +1,5 @@
-"""The README's config reference and learners' table are the ones the code generates, and the README's
-commands are the CI's."""
+"""The README's config reference and learners' table are the ones the code generates, its demos'
+ten-seed tables are the committed sweeps, and the README's commands are the CI's."""
 
 from __future__ import annotations
 
@@ -28,3 +28,33 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "uv run trainer " in readme and "uv run pytest " in readme
     assert "\nuv run pytest\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("first_seed", "sweep"),
+    [(300, "demo_seeds_stable"), (710, "edit_demo_partial_credit_seeds")],
+    ids=["t2i-demo", "edit-demo"],
+)
+def test_readme_ten_seed_tables_are_the_committed_sweeps(first_seed, sweep):
+    # The README's ten-seed tables of the two demos, cell by cell, and the interval quoted beside them
+    # are the committed sweep's files (benchmarks/demo_seeds.py), not figures copied by hand.
+    import json
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index(f"| seed | {first_seed} |")
+    table = readme[start : readme.index("\n\n", start)].splitlines()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table}
+    results = ROOT / "benchmarks" / "results" / sweep
+    summary = json.loads((results / "summary.json").read_text(encoding="utf-8"))
+    assert [int(s) for s in rows["seed"]] == summary["seeds"] and len(summary["seeds"]) == 10
+    for i, seed in enumerate(summary["seeds"]):
+        heldout = json.loads((results / f"seed_{seed}" / "heldout.json").read_text(encoding="utf-8"))
+        assert rows["base"][i] == f"{heldout['base']:.3f}", seed
+        assert rows["trained"][i] == f"{heldout['trained']:.3f}", seed
+        assert rows["difference (se)"][i] == f"{heldout['diff']:+.3f} ({heldout['se_diff']:.3f})", seed
+    mean, interval = summary["mean_interval"].split(" ", 1)
+    low, high = interval.strip("()").split(" to ")
+    assert (
+        f"{mean} (95% t interval {low} to {high})" in readme
+        or f"{mean} (95% interval {low} to {high})" in readme
+    )
