@@ -14,7 +14,12 @@ time) to the target (held-out exact >= base + ``TARGET_GAIN`` at an evaluation),
 to flow_grpo and its 95% bootstrap interval over seeds, the median FE to the target (runs that never
 reach it count as beyond the budget), the final held-out exact (and its paired difference from the
 base), the final gain's paired difference from flow_grpo's on the same seeds, and plots the gold
-against FE and the proxy and the rollouts' exact per step.
+against FE (each seed, and the mean over seeds with its se) and the proxy and the rollouts' exact per
+step. Then the v2 design's figures 3-5 and its reading: each run's verdict (learns / flat / falls:
+its final gain beyond 2 paired se), the paired difference of every pair of recipes (separated when
+its 95% t interval excludes zero), each recipe's per-step instruments by thirds of its runs (from
+their ``metrics.jsonl``) and at the base (its ``gradient_check.py`` file), and which tier-1 recipe
+the README recommends by the design's rule (interim below `READ_AT_SEEDS` seeds).
 
 Two regimes (``--regime``), each a set of recipes with its budget and evaluations:
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import shutil
@@ -147,6 +153,8 @@ JUDGE_V2 = ["eval.num_prompts=400", "eval.guidance_scale=4"]
 RECIPES: dict[str, dict[str, Any]] = {
     "flow_grpo": {
         "overrides": [*ALGORITHMS["flow_grpo"]["overrides"], *COMMON_V2, *FGRPO_V2],
+        "tier": 1,
+        "gradient": "fgrpo_ref",
         "why": "the shipped FlowGRPO recipe (examples/flowgrpo_trainer's settings at 8 x 16 images): SDE window 2 in [0, 5) per group, noise 1.2, clip 1e-4, no KL, lr 3e-4, 2 mini-batches; the best found by the curves' rule (the curves, part 4 (b))",
     },
     "grpo_guard": {
@@ -156,6 +164,8 @@ RECIPES: dict[str, dict[str, Any]] = {
             *FGRPO_V2,
             "algorithm.clip_range=2e-6",
         ],
+        "tier": 1,
+        "gradient": "guard_ref",
         "why": "flow_grpo's recipe with RatioNorm and verl-omni's clip 2e-6; the best found by the curves' rule",
     },
     "diffusion_nft": {
@@ -165,6 +175,8 @@ RECIPES: dict[str, dict[str, Any]] = {
             "data.prompts_per_step=16",
             "optim.lr=5e-4",
         ],
+        "tier": 1,
+        "gradient": "demo_stable",
         "why": "the demo's recipe (examples/tiny_scenes/scenes_demo.yaml): CFG-4 ODE rollouts, 16 x 8 images, 2 levels per image, common noise per group, old = current, lr 5e-4; the best found (the curves, parts 1-2)",
     },
     "awm": {
@@ -179,6 +191,8 @@ RECIPES: dict[str, dict[str, Any]] = {
             "algorithm.kl_coef=1e-4",
             "algorithm.mini_batches=1",
         ],
+        "tier": 1,
+        "gradient": "awm_ref",
         "why": "the shipped AWM recipe (Flow-Factory's published config at 8 x 16 images): CFG-free ODE rollouts, 4 uniform levels in sigma [0, 0.7], KL 1e-4, lr 3e-4, one mini-batch; the best three-seed final gain of AWM's recipes at this budget (the curves, part 4 (a)-(b))",
     },
     "mixgrpo": {
@@ -189,6 +203,8 @@ RECIPES: dict[str, dict[str, Any]] = {
             "sampler.window_kind=progressive",
             "sampler.window_every=9",
         ],
+        "tier": 2,
+        "gradient": "mixgrpo",
         "why": "MixGRPO's progressive window on flow_grpo's recipe: the 2-step window slides from the noisiest step to step 3 of [0, 5), one position every 9 steps (the budget's ~35 steps sweep it once)",
     },
     "dancegrpo": {
@@ -199,10 +215,14 @@ RECIPES: dict[str, dict[str, Any]] = {
             "sampler.sampler=dance_sde",
             "sampler.noise_level=0.3",
         ],
+        "tier": 2,
+        "gradient": "dancegrpo",
         "why": "DanceGRPO's SDE kernel (eta 0.3, its published value) in flow_grpo's window-2 recipe: the kernel changed and nothing else",
     },
     "awm_fast": {
         "overrides": [*ALGORITHMS["awm"]["overrides"]],
+        "tier": 2,
+        "gradient": "awm",
         "why": "AWM's best recipe by the curves' rule at ~44k FE (the first comparison's: CFG-4 ODE rollouts, 1 uniform level, 8 x 8 images, 2 mini-batches, lr 3e-4): the fastest riser, which fell on 2 of 3 seeds by 133k FE (the curves, part 4 (b))",
     },
 }
@@ -389,7 +409,7 @@ def median_fe(values: list[float | None]) -> float | None:
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     hits = [first_reaching(r, TARGET_GAIN) for r in runs]
-    return {
+    out = {
         "fe_to_target": [None if h is None else h["cum_fe"] for h in hits],
         "median_fe_to_target": median_fe([None if h is None else h["cum_fe"] for h in hits]),
         "wall_to_target_s": [None if h is None else h["cum_time_s"] for h in hits],
@@ -404,21 +424,238 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             for g in THRESHOLDS
         },
     }
+    out["verdicts"] = verdicts(out)
+    return out
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and its 95% t interval over seeds (mean ± t * sd / sqrt(n)); the bounds are nan for one
+    value."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
 
 
 def mean_interval(values: list[float]) -> str:
     """Mean and a 95% interval (t-based: mean ± t * sd / sqrt(n)) over seeds."""
     if not values:
         return "-"
-    mean = statistics.fmean(values)
-    if len(values) < 2:
+    mean, low, high = t_interval(values)
+    if math.isnan(low):
         return f"{mean:+.3f}"
-    half = _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return f"{mean:+.3f} ({mean - half:+.3f} to {mean + half:+.3f})"
+    return f"{mean:+.3f} ({low:+.3f} to {high:+.3f})"
 
 
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20}
 """Student t quantiles (0.975) by degrees of freedom."""
+
+READ_AT_SEEDS = 10
+"""The v2 design reads its table at ten seeds (benchmarks/README.md): a table of fewer is interim."""
+
+GRADIENT_RESULTS = Path(__file__).resolve().parent / "results" / "gradient"
+"""gradient_check.py's committed results: a v2 recipe's ``gradient`` names its file here."""
+
+INSTRUMENTS = (
+    ("scene_exact/mean", "rollouts' exact"),
+    ("reward/zero_std_share", "no spread"),
+    ("clipfrac", "clip fraction"),
+    ("kl_ref", "kl_ref"),
+    ("grad_norm", "grad norm"),
+)
+"""The per-step metrics reported by thirds of each run (key in ``metrics.jsonl``, column name)."""
+
+
+def run_verdict(gain: float, se: float) -> str:
+    """A run *learns* when its final gain is above twice its paired se, *falls* when it is below minus
+    twice it, and is *flat* otherwise."""
+    return "learns" if gain > 2 * se else "falls" if gain < -2 * se else "flat"
+
+
+def verdicts(s: dict[str, Any]) -> dict[str, Any]:
+    """A recipe's `run_verdict` per seed and their counts, from its `summarise` figures."""
+    per_seed = [run_verdict(g, se) for g, se in zip(s["final_gain"], s["final_se_gain"], strict=True)]
+    return {"per_seed": per_seed, **{v: per_seed.count(v) for v in ("learns", "flat", "falls")}}
+
+
+def pairwise(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paired difference of the final gains on the same seeds for every pair of recipes (the one
+    with the higher mean first), with its 95% t interval: the two are *separated* when it excludes
+    zero. Every recipe of a table runs the same seeds in the same order."""
+    ranked = sorted(summary, key=lambda n: -statistics.fmean(summary[n]["final_gain"]))
+    pairs = []
+    for i, higher in enumerate(ranked):
+        for lower in ranked[i + 1 :]:
+            differences = [
+                a - b
+                for a, b in zip(summary[higher]["final_gain"], summary[lower]["final_gain"], strict=True)
+            ]
+            mean, low, high = t_interval(differences)
+            pairs.append(
+                {
+                    "higher": higher,
+                    "lower": lower,
+                    "difference": mean,
+                    "interval_95": None if math.isnan(low) else [low, high],
+                    "separated": not math.isnan(low) and (low > 0 or high < 0),
+                }
+            )
+    return pairs
+
+
+def choice(summary: dict[str, dict[str, Any]], pairs: list[dict[str, Any]], tier1: list[str]) -> dict | None:
+    """The design's reading for the README: among the tier-1 recipes, the one with the highest mean
+    final gain is *recommended* when it is separated from every other tier-1 recipe; the tier-1 recipes
+    not separated from it are its *equals*. None without two tier-1 recipes."""
+    tier1 = [n for n in tier1 if n in summary]
+    if len(tier1) < 2:
+        return None
+    best = max(tier1, key=lambda n: statistics.fmean(summary[n]["final_gain"]))
+    separated = {frozenset((p["higher"], p["lower"])): p["separated"] for p in pairs}
+    equals = [n for n in tier1 if n != best and not separated[frozenset((best, n))]]
+    return {"best": best, "recommended": None if equals else best, "equals": equals}
+
+
+def run_instruments(path: Path) -> dict[str, list[float | None]]:
+    """One run's per-step metrics (the trainer's ``metrics.jsonl``, one record per step): the mean of
+    each of `INSTRUMENTS` over each third of its steps (None where the learner does not log it)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    bounds = [round(k * len(records) / 3) for k in range(4)]
+    out: dict[str, list[float | None]] = {}
+    for key, _ in INSTRUMENTS:
+        thirds: list[float | None] = []
+        for start, stop in itertools.pairwise(bounds):
+            values = [
+                float(r[key]) for r in records[start:stop] if r.get(key) is not None and math.isfinite(r[key])
+            ]
+            thirds.append(statistics.fmean(values) if values else None)
+        out[key] = thirds
+    return out
+
+
+def mean_instruments(runs: list[dict[str, list[float | None]]]) -> dict[str, list[float | None]]:
+    """Each instrument's thirds, mean over the runs (`run_instruments`) that logged it."""
+    out: dict[str, list[float | None]] = {}
+    for key, _ in INSTRUMENTS:
+        thirds: list[float | None] = []
+        for k in range(3):
+            values = [r[key][k] for r in runs if r[key][k] is not None]
+            thirds.append(statistics.fmean(values) if values else None)
+        out[key] = thirds
+    return out
+
+
+def gradient_figures(recipe: dict[str, Any]) -> dict[str, Any] | None:
+    """gradient_check.py's figures for a recipe at the base (the file its ``gradient`` names, under
+    `GRADIENT_RESULTS`): groups with no spread, images for a cosine of 1/2, the uphill margin at each
+    step size and whether one passes (> 2 se). None for a recipe without one (v1's)."""
+    file = recipe.get("gradient")
+    if file is None:
+        return None
+    path = GRADIENT_RESULTS / f"{file}.json"
+    g = json.loads(path.read_text())
+    steps = g.get("uphill", {}).get("steps", [])
+    return {
+        "file": path.relative_to(GRADIENT_RESULTS.parents[2]).as_posix(),
+        "seed": g["seed"],
+        "images": g["rollouts"]["images"],
+        "zero_spread_groups": g["rollouts"]["zero_spread_groups"],
+        "images_for_cosine_half": g["images_for_cosine_half"],
+        "uphill": [
+            {k: s[k] for k in ("eps", "margin", "margin_se", "margin_in_se", "uphill")} for s in steps
+        ],
+        "passes": any(s["uphill"] for s in steps),
+    }
+
+
+def print_reading(
+    summary: dict[str, dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    instruments: dict[str, dict[str, list[float | None]]],
+    gradients: dict[str, dict[str, Any] | None],
+    reading: dict[str, Any] | None,
+    seeds: int,
+) -> None:
+    """The design's figures 3-5 and its reading: runs that learn, every pair's paired difference, the
+    instruments by thirds and at the base, and the choice for the README."""
+    rows = [
+        (name, f"{v['learns']}", f"{v['flat']}", f"{v['falls']}", " ".join(v["per_seed"]))
+        for name, v in ((n, s["verdicts"]) for n, s in summary.items())
+    ]
+    print(table(rows, ("runs (final gain vs 2 paired se)", "learns", "flat", "falls", "per seed")))
+    rows = []
+    for p in pairs:
+        interval = "-" if p["interval_95"] is None else "{:+.3f} to {:+.3f}".format(*p["interval_95"])
+        rows.append(
+            (
+                f"{p['higher']} - {p['lower']}",
+                f"{p['difference']:+.3f}",
+                interval,
+                "yes" if p["separated"] else "no",
+            )
+        )
+    print(table(rows, ("final gain, same seeds", "difference", "95% t interval", "separated")))
+
+    def cell(thirds: list[float | None], fmt: str) -> str:
+        return (
+            "-"
+            if all(v is None for v in thirds)
+            else ", ".join("-" if v is None else fmt.format(v) for v in thirds)
+        )
+
+    rows = []
+    for name, values in instruments.items():
+        rows.append((name, *(cell(values[key], "{:.3g}") for key, _ in INSTRUMENTS)))
+    print(table(rows, ("by thirds of the run, mean over seeds", *(label for _, label in INSTRUMENTS))))
+    rows = []
+    for name, g in gradients.items():
+        if g is None:
+            rows.append((name, "-", "-", "-", "-", "-"))
+            continue
+        uphill = "; ".join(
+            f"eps {u['eps']:g}: {u['margin']:+.3f} ({u['margin_in_se']:+.1f} se)" for u in g["uphill"]
+        )
+        rows.append(
+            (
+                name,
+                g["file"],
+                f"{g['zero_spread_groups']:.0%}",
+                f"~{g['images_for_cosine_half']:.0f}"
+                if math.isfinite(g["images_for_cosine_half"])
+                else "never",
+                uphill or "-",
+                "passes" if g["passes"] else "does not pass",
+            )
+        )
+    print(
+        table(
+            rows,
+            (
+                "at the base (gradient_check.py)",
+                "file",
+                "no spread",
+                "images for a cosine of 1/2",
+                "uphill margin",
+                "uphill > 2 se",
+            ),
+        )
+    )
+    if reading is not None:
+        interim = (
+            ""
+            if seeds >= READ_AT_SEEDS
+            else f" (interim: {seeds} seed(s); the design reads at {READ_AT_SEEDS})"
+        )
+        if reading["recommended"] is not None:
+            verdict = f"{reading['recommended']} is recommended as the default: separated from every other tier-1 recipe"
+        else:
+            verdict = (
+                f"{reading['best']} has the highest mean final gain, not separated from "
+                + ", ".join(reading["equals"])
+                + " (its equals)"
+            )
+        print(f"the design's reading of tier 1{interim}: {verdict}")
 
 
 def print_table(summary: dict[str, dict[str, Any]], seeds: int, ratio_interval, mean_std) -> None:
@@ -487,57 +724,97 @@ def print_table(summary: dict[str, dict[str, Any]], seeds: int, ratio_interval, 
     print(table(rows, ("mean FE to a gain of", *(f"+{g:g}" for g in THRESHOLDS))))
 
 
+def mean_gain_curve(
+    group: list[dict[str, Any]], key: str = "gain"
+) -> tuple[list[float], list[float], list[float]] | None:
+    """A recipe's held-out gain (``key``: ``gain``, or ``ema_gain`` for its EMA weights) at each
+    evaluation, mean over its seeds: (cum FE, gain, the se of that mean from each seed's paired
+    per-caption se), with the base (0, 0, 0) first; None when a run has no such gain."""
+    points = min(len(r["evaluations"]) for r in group)
+    xs, ys, ses = [0.0], [0.0], [0.0]
+    for k in range(points):
+        evals = [r["evaluations"][k] for r in group]
+        if not all(key in e for e in evals):
+            return None
+        xs.append(statistics.fmean(e["cum_fe"] for e in evals))
+        ys.append(statistics.fmean(e[key] for e in evals))
+        ses.append(math.sqrt(sum(e[f"{key[:-4]}se_gain"] ** 2 for e in evals)) / len(evals))
+    return xs, ys, ses
+
+
 def print_curves(runs: dict[str, list[dict[str, Any]]]) -> None:
     """The held-out gain at each evaluation, mean over seeds with the se of that mean (from each seed's
     paired per-caption se), and the same for the EMA weights where the runs kept one."""
     rows = []
     for name, group in runs.items():
-        points = min(len(r["evaluations"]) for r in group)
-        for k in range(points):
-            evals = [r["evaluations"][k] for r in group]
-            n = len(evals)
-            cells = [name if k == 0 else "", f"{statistics.fmean(e['cum_fe'] for e in evals):.0f}"]
-            for key in ("gain", "ema_gain"):
-                if all(key in e for e in evals):
-                    mean = statistics.fmean(e[key] for e in evals)
-                    se = math.sqrt(sum(e[f"{key[:-4]}se_gain"] ** 2 for e in evals)) / n
-                    per_seed = " ".join(f"{e[key]:+.3f}" for e in evals)
-                    cells.append(f"{mean:+.3f} ({se:.3f}) [{per_seed}]")
-                else:
+        curves = {key: mean_gain_curve(group, key) for key in ("gain", "ema_gain")}
+        for k, fe in enumerate(curves["gain"][0][1:]):
+            cells = [name if k == 0 else "", f"{fe:.0f}"]
+            for key, curve in curves.items():
+                if curve is None:
                     cells.append("-")
+                    continue
+                per_seed = " ".join(f"{r['evaluations'][k][key]:+.3f}" for r in group)
+                cells.append(f"{curve[1][k + 1]:+.3f} ({curve[2][k + 1]:.3f}) [{per_seed}]")
             rows.append(tuple(cells))
     print(table(rows, ("algorithm", "mean cum FE", "gain, mean (se) [per seed]", "EMA weights' gain")))
 
 
+SMOOTH_STEPS = 5
+"""The plot's per-step panels draw each recipe's mean over seeds as a trailing mean of this many steps."""
+
+
+def mean_step_curve(group: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """A per-step series (``reward`` or ``proxy``), mean over seeds step by step (to the shortest
+    run), as a trailing mean of `SMOOTH_STEPS` steps, against the mean cum FE."""
+    steps = min(len(r[key]) for r in group)
+    fe = [statistics.fmean(r["cum_fe"][i] for r in group) for i in range(steps)]
+    mean = [statistics.fmean(r[key][i] for r in group) for i in range(steps)]
+    smooth = [statistics.fmean(mean[max(0, i + 1 - SMOOTH_STEPS) : i + 1]) for i in range(steps)]
+    return fe, smooth
+
+
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Three panels against cumulative FE: the held-out gain (each seed thin, the mean over seeds thick
+    with +-1 se), the rollouts' proxy and their training reward (each seed thin, the mean over seeds
+    smoothed over `SMOOTH_STEPS` steps thick)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5), dpi=100)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), dpi=100)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    seeds = max((len(g) for g in runs.values()), default=0)
     for (name, group), colour in zip(runs.items(), colours):
-        for k, r in enumerate(group):
-            label = name if k == 0 else None
+        for r in group:
             xs = [0.0] + [e["cum_fe"] for e in r["evaluations"]]
             ys = [0.0] + [e["gain"] for e in r["evaluations"]]
-            axes[0].plot(xs, ys, color=colour, marker="o", markersize=3, alpha=0.6, label=label)
-            axes[1].plot(r["cum_fe"], r["proxy"], color=colour, alpha=0.5, linewidth=0.8, label=label)
-            axes[2].plot(r["cum_fe"], r["reward"], color=colour, alpha=0.5, linewidth=0.8, label=label)
+            axes[0].plot(xs, ys, color=colour, alpha=0.2, linewidth=0.8)
+            axes[1].plot(r["cum_fe"], r["proxy"], color=colour, alpha=0.12, linewidth=0.6)
+            axes[2].plot(r["cum_fe"], r["reward"], color=colour, alpha=0.12, linewidth=0.6)
+        xs, ys, ses = mean_gain_curve(group)
+        label = f"{name} ({len(group)} seed{'s' if len(group) != 1 else ''})"
+        axes[0].errorbar(
+            xs, ys, yerr=ses, color=colour, marker="o", markersize=4, linewidth=2, capsize=3, label=label
+        )
+        for ax, key in ((axes[1], "proxy"), (axes[2], "reward")):
+            ax.plot(*mean_step_curve(group, key), color=colour, linewidth=2, label=label)
     axes[0].axhline(TARGET_GAIN, color="black", linestyle="--", linewidth=1, label="target")
     axes[0].axhline(0.0, color="grey", linewidth=0.8)
     titles = (
-        "gold: held-out scene_exact minus the base",
-        "proxy: scene_dense of the rollouts (not trained on)",
-        "scene_exact of the rollouts (the training reward)",
+        "gold: held-out scene_exact minus the base (mean ± se; thin: each seed)",
+        f"proxy: scene_dense of the rollouts (not trained on; mean of {SMOOTH_STEPS} steps)",
+        f"scene_exact of the rollouts (the training reward; mean of {SMOOTH_STEPS} steps)",
     )
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("cumulative forward-equivalents")
         ax.grid(alpha=0.3)
     axes[0].legend(loc="best", fontsize=8)
-    fig.suptitle("the tiny pretrained Boogu on scene captions: one line per learner and seed")
+    fig.suptitle(
+        f"the tiny pretrained Boogu on scene captions: each learner's mean over seeds (up to {seeds}) and each seed"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
@@ -599,8 +876,10 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
             "drop --load-only to run them)"
         )
     runs: dict[str, list[dict[str, Any]]] = {}
+    logged: dict[str, list[dict[str, list[float | None]]]] = {}
     for name in names:
         runs[name] = []
+        logged[name] = []
         for seed in seeds:
             settings = {
                 "config": config_to_dict(run_config(name, seed, "runs", extra[name], regime)),
@@ -635,6 +914,9 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
                     atomic_write_text(results / f"{name}_s{seed}.metrics.jsonl", metrics.read_text())
                 atomic_write_text(path, json.dumps({"settings": settings, "run": run}))
             runs[name].append(run)
+            metrics = results / f"{name}_s{seed}.metrics.jsonl"
+            if metrics.is_file():
+                logged[name].append(run_instruments(metrics))
             last = run["evaluations"][-1]
             print(
                 f"{name} seed {seed}: {len(run['reward'])} steps, cum/fe {run['cum_fe'][-1]:.0f}, "
@@ -664,6 +946,19 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
     print_table(summary, args.seeds, ratio_interval, mean_std)
     print_curves(runs)
     recipes = REGIMES[regime].recipes
+    pairs = pairwise(summary)
+    for name in names:
+        summary[name]["instruments"] = mean_instruments(logged[name]) if logged[name] else None
+        summary[name]["gradient"] = gradient_figures(recipes[name])
+    reading = choice(summary, pairs, [n for n in names if recipes[n].get("tier") == 1])
+    print_reading(
+        summary,
+        pairs,
+        {n: s["instruments"] for n, s in summary.items() if s["instruments"] is not None},
+        {n: s["gradient"] for n, s in summary.items()},
+        reading,
+        args.seeds,
+    )
     for name in names:
         print(f"  {name}: {' '.join(recipes[name]['overrides'] + list(REGIMES[regime].judge) + extra[name])}")
         print(f"    ({recipes[name]['why']})")
@@ -683,6 +978,8 @@ def main(args: argparse.Namespace, extra: dict[str, list[str]], ratio_interval, 
                 "points": points,
             },
             "algorithms": summary,
+            "pairs": pairs,
+            "reading": None if reading is None else {**reading, "interim": args.seeds < READ_AT_SEEDS},
             "task_overrides": TASK,
             "regime": regime,
             "settings": {

@@ -422,6 +422,11 @@ def test_algorithms_scenes_quick_and_resumed(tmp_path, monkeypatch, capsys):
         summary = figures["algorithms"][name]
         assert summary["final_gold"] == [run["evaluations"][-1]["gold"]]
         assert summary["final_gain"] == [pytest.approx(run["evaluations"][-1]["gold"] - run["base"])]
+        # the design's figures 4-5: the run's verdict, and its instruments by thirds of its (2-3) steps
+        assert sum(summary["verdicts"][v] for v in ("learns", "flat", "falls")) == 1, name
+        assert summary["instruments"]["grad_norm"][-1] is not None, name  # read from its metrics.jsonl
+        assert summary["gradient"] is None, name  # v1's recipes name no gradient_check file
+    assert len(figures["pairs"]) == 6 and figures["reading"] is None  # v1 has no tiers
     assert (tmp_path / "algorithms_scenes.png").stat().st_size > 0
     assert {p.name for p in results.iterdir()} >= {"base_s0.json", "awm_s0.json", "flow_grpo_s0.json"}
     figures_base = figures["runs"]["flow_grpo"][0]["base"]
@@ -458,6 +463,7 @@ def test_algorithms_scenes_quick_and_resumed(tmp_path, monkeypatch, capsys):
     )
     figures = json.loads(out.read_text())
     assert figures["regime"] == "v2" and set(figures["algorithms"]) == {"mixgrpo"}
+    assert figures["algorithms"]["mixgrpo"]["gradient"]["file"] == "benchmarks/results/gradient/mixgrpo.json"
     (run,) = figures["runs"]["mixgrpo"]
     assert len(run["evaluations"]) == 6 and run["base"] == figures_base
     # --keep-checkpoint: the trainer's own, intact checkpoint of the run's last step, beside its file
@@ -566,6 +572,90 @@ def test_algorithms_scenes_median_fe_counts_runs_that_never_reached_it():
     assert median([100.0, None, 300.0]) == 300.0  # the unreached run ranks above every reached one
     assert median([100.0, None, None]) is None and median([]) is None
     assert median([100.0, 200.0, None, 400.0]) == 300.0
+
+
+def test_algorithms_scenes_reading_pairs_verdicts_and_choice(monkeypatch):
+    """The design's figures 3-4 and its reading: a run learns / falls beyond 2 paired se; every pair's
+    paired difference on the same seeds, separated when its t interval excludes zero; the tier-1 best is
+    recommended only when separated from every other tier-1 recipe, else named with its equals."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    scenes = runpy.run_path(str(BENCHMARKS / "algorithms_scenes.py"), run_name="algorithms_scenes")
+    assert [scenes["run_verdict"](g, 0.01) for g in (0.021, 0.02, -0.02, -0.021)] == [
+        "learns",
+        "flat",
+        "flat",
+        "falls",
+    ]
+    summary = {
+        "a": {"final_gain": [0.10, 0.12, 0.11], "final_se_gain": [0.02, 0.02, 0.02]},
+        "b": {"final_gain": [0.01, 0.03, 0.00], "final_se_gain": [0.01, 0.01, 0.01]},
+        "c": {"final_gain": [0.02, 0.00, 0.04], "final_se_gain": [0.01, 0.01, 0.01]},
+    }
+    assert scenes["verdicts"](summary["b"]) == {
+        "per_seed": ["flat", "learns", "flat"],
+        "learns": 1,
+        "flat": 2,
+        "falls": 0,
+    }
+    pairs = scenes["pairwise"](summary)
+    assert [(p["higher"], p["lower"]) for p in pairs] == [("a", "c"), ("a", "b"), ("c", "b")]
+    a_b = pairs[1]
+    assert a_b["difference"] == pytest.approx(0.0966667, abs=1e-6)
+    # differences 0.09, 0.09, 0.11: sd 0.011547, t(2) 4.30
+    half = 4.30 * 0.011547005 / 3**0.5
+    assert a_b["interval_95"] == pytest.approx([0.0966667 - half, 0.0966667 + half], abs=1e-6)
+    assert a_b["separated"] and not pairs[2]["separated"]  # c - b: +0.02, -0.03, +0.04
+    assert scenes["choice"](summary, pairs, ["a", "b", "c"]) == {
+        "best": "a",
+        "recommended": "a",
+        "equals": [],
+    }
+    assert scenes["choice"](summary, pairs, ["b", "c"]) == {"best": "c", "recommended": None, "equals": ["b"]}
+    assert scenes["choice"](summary, pairs, ["a"]) is None  # nothing to separate from
+    one_seed = {n: {**s, "final_gain": s["final_gain"][:1]} for n, s in summary.items()}
+    assert not any(p["separated"] for p in scenes["pairwise"](one_seed))  # no interval, no separation
+
+
+def test_algorithms_scenes_instruments_by_thirds_and_at_the_base(tmp_path, monkeypatch):
+    """Figure 5: each run's metrics.jsonl by thirds of its steps (a key a learner does not log is
+    None, a non-finite value is skipped), mean over the runs; and every v2 recipe's committed
+    gradient_check file, as the design names them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    scenes = runpy.run_path(str(BENCHMARKS / "algorithms_scenes.py"), run_name="algorithms_scenes")
+    records = [{"step": i + 1, "grad_norm": float(i), "clipfrac": 0.5} for i in range(7)]
+    records[6]["grad_norm"] = float("nan")
+    path = tmp_path / "run.metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    one = scenes["run_instruments"](path)
+    # 7 steps: thirds of steps 1-2, 3-5, 6-7 (round(7/3) = 2, round(14/3) = 5); step 7's nan skipped
+    assert one["grad_norm"] == [0.5, 3.0, 5.0] and one["clipfrac"] == [0.5, 0.5, 0.5]
+    assert one["kl_ref"] == [None, None, None]
+    other = {**one, "grad_norm": [1.5, 1.0, None]}
+    assert scenes["mean_instruments"]([one, other])["grad_norm"] == [1.0, 2.0, 5.0]
+    design = {
+        "flow_grpo": "fgrpo_ref",
+        "grpo_guard": "guard_ref",
+        "diffusion_nft": "demo_stable",
+        "awm": "awm_ref",
+        "mixgrpo": "mixgrpo",
+        "dancegrpo": "dancegrpo",
+        "awm_fast": "awm",
+    }
+    recipes = scenes["RECIPES"]
+    assert {n: r["gradient"] for n, r in recipes.items()} == design
+    assert [n for n, r in recipes.items() if r["tier"] == 1] == [
+        "flow_grpo",
+        "grpo_guard",
+        "diffusion_nft",
+        "awm",
+    ]
+    for name, recipe in recipes.items():
+        g = scenes["gradient_figures"](recipe)
+        saved = json.loads((BENCHMARKS / "results" / "gradient" / f"{design[name]}.json").read_text())
+        assert g["file"] == f"benchmarks/results/gradient/{design[name]}.json", name
+        assert g["zero_spread_groups"] == saved["rollouts"]["zero_spread_groups"] and g["seed"] == 0, name
+        assert g["passes"] == any(s["margin"] > 2 * s["margin_se"] for s in saved["uphill"]["steps"]), name
+    assert scenes["gradient_figures"](scenes["ALGORITHMS"]["flow_grpo"]) is None  # v1 named none
 
 
 def test_algorithms_scenes_run_files_survive_a_config_key_added_later(monkeypatch):
@@ -896,3 +986,35 @@ def _edit_checkpoint(tmp_path: Path) -> Path:
     from boogu_tiny.checkpoints import ensure_trained_edit_checkpoint
 
     return ensure_trained_edit_checkpoint(tmp_path / "edit" / "Boogu-Image")
+
+
+def test_benchmarks_readme_head_to_head_seed_tables_are_the_run_files():
+    """benchmarks/README.md's per-seed tables of the head-to-head ("Seeds so far"): each recipe's
+    held-out gain at every evaluation and its final gain (se) are its committed run file's, and the
+    seed's base is its base file's, not figures copied by hand."""
+    import re
+
+    text = (BENCHMARKS / "README.md").read_text(encoding="utf-8")
+    start = text.index("### Seeds so far")
+    section = text[start : text.index("\n## ", start)]
+    results = BENCHMARKS / "results" / "scenes" / "h2h"
+    checked = 0
+    for table_start in [m.start() for m in re.finditer(r"^\| recipe \| held-out gain at", section, re.M)]:
+        before = section[:table_start]
+        seed = int(re.findall(r"[Ss]eed (5\d\d)", before)[-1])  # the paragraph above names it
+        base = re.findall(r"base\s+(0\.\d{3})", before.rsplit("\n\n", 2)[-2])
+        saved_base = json.loads((results / f"base_s{seed}.json").read_text())["gold"]
+        assert base == [f"{sum(saved_base) / len(saved_base):.3f}"], seed
+        rows = section[table_start : section.index("\n\n", table_start)].splitlines()[2:]
+        for row in rows:
+            cells = [c.strip() for c in row.split("|")[1:-1]]
+            recipe = cells[0].split("`")[1]
+            run = json.loads((results / f"{recipe}_s{seed}.json").read_text())["run"]
+            evaluations = run["evaluations"]
+            gains = ", ".join(f"{e['gain']:+.3f}".replace("-0.000", "+0.000") for e in evaluations)
+            assert cells[1] == gains, (seed, recipe)
+            last = evaluations[-1]
+            if cells[2]:
+                assert cells[2] == f"{last['gain']:+.3f} ({last['se_gain']:.3f})", (seed, recipe)
+            checked += 1
+    assert checked >= 4 * 6 + 3 * 3  # tier 1 on 500-505, tier 2 on 500-502
