@@ -760,6 +760,54 @@ def print_curves(runs: dict[str, list[dict[str, Any]]]) -> None:
     print(table(rows, ("algorithm", "mean cum FE", "gain, mean (se) [per seed]", "EMA weights' gain")))
 
 
+def readme_markdown(figures: dict[str, Any]) -> str:
+    """The README's head-to-head table ("Choosing an algorithm") from a table command's summary JSON
+    (``--json``): per recipe its tier, mean final gain with its 95% t interval, the paired difference
+    from flow_grpo's, the runs that learn / stay flat / fall, the runs that reached the target, the
+    median FE to it and the FE ratio to flow_grpo; then the design's reading. Generated, so that the
+    README follows the committed runs (tests/trainer/test_readme.py)."""
+    settings, seeds = figures["settings"], figures["seeds"]
+    target = f"+{figures['target_gain']:g}"
+    rows = []
+    for name, s in sorted(
+        figures["algorithms"].items(), key=lambda kv: -statistics.fmean(kv[1]["final_gain"])
+    ):
+        minus = s.get("final_gain_minus_flow_grpo")
+        ratio = s.get("fe_ratio_vs_flow_grpo")
+        ratio_cell = "-" if ratio is None else f"{ratio['mean_ratio']:.2f}x"
+        if name == "flow_grpo" and any(x is not None for x in s["fe_to_target"]):
+            ratio_cell = "1x (the reference)"
+        if ratio is not None and ratio["interval_95"] is not None:
+            ratio_cell += " ({:.2f}-{:.2f})".format(*ratio["interval_95"])
+        v = s["verdicts"]
+        reached = sum(x is not None for x in s["fe_to_target"])
+        median = s["median_fe_to_target"]
+        rows.append(
+            f"| `{name}` | {settings[name].get('tier', '-')} | {mean_interval(s['final_gain'])} | "
+            f"{'-' if minus is None else mean_interval(minus)} | {v['learns']} / {v['flat']} / {v['falls']} | "
+            f"{reached}/{seeds} | {'-' if median is None else f'{median:.0f}'} | {ratio_cell} |"
+        )
+    lines = [
+        f"| recipe | tier | final held-out gain (95% t interval) | minus flow_grpo's, same seeds | runs "
+        f"learn / flat / fall | reached {target} | median FE to {target} | FE to {target} vs flow_grpo "
+        "(95% bootstrap) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    reading = figures.get("reading")
+    if reading is not None:
+        interim = " (interim)" if reading["interim"] else ""
+        if reading["recommended"] is not None:
+            said = f"`{reading['recommended']}` is the recommended default: separated from every other tier-1 recipe"
+        else:
+            said = (
+                f"`{reading['best']}` has the highest mean final gain and is not separated from "
+                + ", ".join(f"`{n}`" for n in reading["equals"])
+            )
+        lines += ["", f"By the design's rule, over {seeds} seeds{interim}: {said}."]
+    return "\n".join(lines) + "\n"
+
+
 SMOOTH_STEPS = 5
 """The plot's per-step panels draw each recipe's mean over seeds as a trailing mean of this many steps."""
 

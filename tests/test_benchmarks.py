@@ -616,6 +616,65 @@ def test_algorithms_scenes_reading_pairs_verdicts_and_choice(monkeypatch):
     assert not any(p["separated"] for p in scenes["pairwise"](one_seed))  # no interval, no separation
 
 
+def test_algorithms_scenes_readme_table_follows_the_summary(monkeypatch):
+    """The README's head-to-head table is generated from the summary JSON: recipes ranked by mean
+    final gain, each cell from its figures, and the design's reading said as the rule says it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    scenes = runpy.run_path(str(BENCHMARKS / "algorithms_scenes.py"), run_name="algorithms_scenes")
+
+    def recipe(gains, reached, **more):
+        return {
+            "final_gain": gains,
+            "verdicts": {"learns": 1, "flat": 1, "falls": 0},
+            "fe_to_target": reached,
+            "median_fe_to_target": None,
+            **more,
+        }
+
+    figures = {
+        "seeds": 2,
+        "target_gain": 0.04,
+        "settings": {"flow_grpo": {"tier": 1}, "diffusion_nft": {"tier": 1}, "mixgrpo": {"tier": 2}},
+        "algorithms": {
+            "flow_grpo": recipe([0.01, 0.03], [None, 90000.0]),
+            "mixgrpo": recipe([0.0, 0.02], [None, None], final_gain_minus_flow_grpo=[-0.01, -0.01]),
+            "diffusion_nft": recipe(
+                [0.10, 0.12],
+                [40000.0, 50000.0],
+                median_fe_to_target=45000.0,
+                final_gain_minus_flow_grpo=[0.09, 0.09],
+                fe_ratio_vs_flow_grpo={"mean_ratio": 0.5, "interval_95": [0.4, 0.6]},
+            ),
+        },
+        "reading": {"best": "diffusion_nft", "recommended": None, "equals": ["flow_grpo"], "interim": True},
+    }
+    lines = scenes["readme_markdown"](figures).splitlines()
+    assert lines[0].startswith("| recipe | tier | final held-out gain (95% t interval) |")
+    # t(1) = 12.71: +0.110 +- 12.71 * 0.01414 / sqrt(2)
+    assert lines[2] == (
+        "| `diffusion_nft` | 1 | +0.110 (-0.017 to +0.237) | +0.090 (+0.090 to +0.090) | 1 / 1 / 0 | 2/2 | "
+        "45000 | 0.50x (0.40-0.60) |"
+    )
+    assert lines[3].startswith("| `flow_grpo` | 1 | +0.020") and lines[3].endswith(
+        "| 1/2 | - | 1x (the reference) |"
+    )
+    assert lines[4].startswith("| `mixgrpo` | 2 | +0.010") and lines[4].endswith("| 0/2 | - | - |")
+    assert lines[-1] == (
+        "By the design's rule, over 2 seeds (interim): `diffusion_nft` has the highest mean final gain "
+        "and is not separated from `flow_grpo`."
+    )
+    figures["reading"] = {
+        "best": "diffusion_nft",
+        "recommended": "diffusion_nft",
+        "equals": [],
+        "interim": False,
+    }
+    assert scenes["readme_markdown"](figures).splitlines()[-1] == (
+        "By the design's rule, over 2 seeds: `diffusion_nft` is the recommended default: separated from "
+        "every other tier-1 recipe."
+    )
+
+
 def test_algorithms_scenes_instruments_by_thirds_and_at_the_base(tmp_path, monkeypatch):
     """Figure 5: each run's metrics.jsonl by thirds of its steps (a key a learner does not log is
     None, a non-finite value is skipped), mean over the runs; and every v2 recipe's committed
