@@ -261,6 +261,77 @@ def test_resume_with_a_changed_lr_is_refused_unless_opted_in(finished_run, tiny_
     assert saved.state["learner"]["optimizer_meta"]["param_groups"][0]["lr"] == 5e-4
 
 
+def test_the_data_state_names_its_prompts_by_content_and_order():
+    """The sampler's state records a digest of its prompts: the same prompts give the same digest
+    (their split and row index train nothing), another order, text or reference image another; a
+    state of other prompts is refused by count, and at the same count by digest unless accepted; a
+    state written before the digest existed is checked by its count."""
+    from boogu_data import PromptRecord
+    from boogu_trainer.data import PromptSampler
+
+    records = [PromptRecord(instruction=f"a sign that says {i}", ground_truth=str(i)) for i in range(4)]
+    base = PromptSampler(records, 2, seed=0)
+    state = base.state_dict()
+    assert len(state["records_sha256"]) == 64
+    same = [dataclasses.replace(r, split="val", index=7) for r in records]
+    assert PromptSampler(same, 2).records_sha256 == base.records_sha256
+    others = {
+        "order": records[::-1],
+        "text": [dataclasses.replace(records[0], instruction="a sign that says 9"), *records[1:]],
+        "truth": [dataclasses.replace(records[0], ground_truth="9"), *records[1:]],
+        "image": [dataclasses.replace(records[0], ref_image=b"\x89PNG"), *records[1:]],
+    }
+    for what, changed in others.items():
+        sampler = PromptSampler(changed, 2, seed=0)
+        assert sampler.records_sha256 != base.records_sha256, what
+        with pytest.raises(
+            ValueError, match=r"prompts are not these .*resume_allow_changes=\[data\.train_files\]"
+        ):
+            sampler.load_state_dict(state)
+        sampler.load_state_dict({**state, "cursor": 2}, accept_other_prompts=True)
+        assert sampler.cursor == 2, what
+    with pytest.raises(ValueError, match="had 4 prompts, this one has 3"):
+        PromptSampler(records[:3], 2).load_state_dict(state, accept_other_prompts=True)
+    old = {k: v for k, v in state.items() if k != "records_sha256"}  # a checkpoint of v0.3
+    PromptSampler(others["text"], 2).load_state_dict(old)
+
+
+def test_resume_over_other_prompts_is_refused_unless_opted_in(
+    finished_run, tiny_checkpoint, tmp_path, caplog
+):
+    # The same config over prompts edited in place (the same file names, the same count): the
+    # checkpoint's data position would index other rows, so the resume is refused before anything
+    # is loaded, naming the folder and the opt-in.
+    from boogu_trainer.data import PromptSampler
+
+    _, _, run = finished_run
+    shutil.copytree(run, tmp_path / "run")
+
+    def edited(trainer):
+        records = [
+            dataclasses.replace(r, instruction=r.instruction + " (edited)") for r in trainer.data.records
+        ]
+        trainer.data = PromptSampler(records, trainer.data.batch_size, seed=trainer.data.seed)
+
+    trainer = Trainer(small_config(tiny_checkpoint, tmp_path, "resume=auto", "total_steps=4"))
+    edited(trainer)
+    with pytest.raises(
+        CheckpointError, match=r"resume=auto \(.*step_000003\): the checkpoint's \d+ prompts are not these"
+    ):
+        trainer.resume("auto")
+    assert trainer.step == 0  # nothing was loaded
+    trainer.close()
+    allowed = small_config(
+        tiny_checkpoint, tmp_path, "resume=auto", "total_steps=4", "resume_allow_changes=[data.train_files]"
+    )
+    trainer = Trainer(allowed)
+    edited(trainer)
+    with caplog.at_level("WARNING"):
+        assert trainer.resume("auto") is not None and trainer.step == 3
+    assert "saved over other prompts" in caplog.text
+    trainer.close()
+
+
 def test_nonfinite_weights_stop_the_run_with_the_last_good_weights(tiny_checkpoint, tmp_path):
     # A finite lr whose Adam steps overflow float32 turns the LoRA into inf on the first update (set
     # behind the config's back: optim.lr refuses values above 1).

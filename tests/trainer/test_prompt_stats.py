@@ -15,7 +15,7 @@ from boogu_data import PromptRecord
 from boogu_schedule import derive_seed
 from boogu_trainer.cli import main
 from boogu_trainer.config import ConfigError, load_config, scenes_demo_config
-from boogu_trainer.data import demo_records
+from boogu_trainer.data import PromptSampler, demo_records
 from boogu_trainer.prompt_stats import (
     FORMAT,
     filter_records,
@@ -155,7 +155,11 @@ def test_data_prompt_stats_trains_only_on_prompts_whose_samples_differed(tiny_ch
     )
     try:
         assert trainer.data.records == [records[i] for i in (1, 3, 5, 7)]
-        assert trainer.data.state_dict()["num_records"] == 4  # a resume checks the filtered count
+        # a resume checks the filtered prompts: their count and their digest
+        assert trainer.data.state_dict()["num_records"] == 4
+        assert (
+            trainer.data.records_sha256 == PromptSampler([records[i] for i in (1, 3, 5, 7)], 1).records_sha256
+        )
     finally:
         trainer.close()
     kept, sources = filter_records(records, [f"row {i}" for i in range(8)], str(stats), 0.08)

@@ -3,6 +3,7 @@ drawn in a deterministic, resumable order."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -211,19 +212,52 @@ class PromptSampler:
         self.cursor += self.batch_size
         return [self.records[i] for i in idx]
 
-    def state_dict(self) -> dict[str, int]:
+    @functools.cached_property
+    def records_sha256(self) -> str:
+        """A SHA-256 of the prompts in their order: each one's instruction, negative, ground truth,
+        data source, ability and reference image bytes (not its split or row index, which train
+        nothing). Computed once (the records never change), recorded in `state_dict`."""
+        digest = hashlib.sha256()
+        for r in self.records:
+            for text in (r.instruction, r.negative, r.ground_truth, r.data_source, r.ability):
+                digest.update(text.encode("utf-8") + b"\0")
+            digest.update(b"-" if r.ref_image is None else hashlib.sha256(r.ref_image).digest())
+        return digest.hexdigest()
+
+    def state_dict(self) -> dict[str, int | str]:
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
             "num_records": len(self.records),
+            "records_sha256": self.records_sha256,
             "seed": self.seed,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def check_state(self, state: dict[str, int | str], *, accept_other_prompts: bool = False) -> None:
+        """Refuse a state saved over other prompts: another count always (the order would index
+        other rows), the same count with other content or order (an edited ``data.train_files``, a
+        ``data.prompt_stats`` file measured again) unless ``accept_other_prompts``. States written
+        before the digest existed are checked by their count only.
+
+        Raises:
+            ValueError: naming both counts, or both digests and the opt-in.
+        """
         if state["num_records"] != len(self.records):
             raise ValueError(
                 f"the checkpoint's dataset had {state['num_records']} prompts, this one has {len(self.records)}: "
                 "resuming would not continue the same data order"
             )
+        saved = state.get("records_sha256")
+        if saved is not None and saved != self.records_sha256 and not accept_other_prompts:
+            raise ValueError(
+                f"the checkpoint's {state['num_records']} prompts are not these (records SHA-256 "
+                f"{str(saved)[:12]}... in the checkpoint, {self.records_sha256[:12]}... now: another "
+                "content or order of data.train_files, or another data.prompt_stats filter): resuming "
+                "would not continue the same data. Restore the prompts, or continue on these with "
+                "resume_allow_changes=[data.train_files]"
+            )
+
+    def load_state_dict(self, state: dict[str, int | str], *, accept_other_prompts: bool = False) -> None:
+        self.check_state(state, accept_other_prompts=accept_other_prompts)
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._order = self._permutation(self.epoch)

@@ -676,6 +676,11 @@ class Trainer:
         data, rng, flight = self.batches.resume_point()
         return ResumePoint(data, rng, flight, dict(self.learner.counters), self.nonfinite_streak)
 
+    def _accepts_other_prompts(self) -> bool:
+        """Whether ``resume_allow_changes`` lets a resume continue on other prompts than its
+        checkpoint's (``data.train_files`` or the whole ``data`` section listed)."""
+        return bool({"data", "data.train_files"} & set(self.config.resume_allow_changes))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put every component back as `state_dict` gave it. The rollout engine is not touched: a resume
         publishes the loaded weights (`resume`), the preflight puts the engine's own state back."""
@@ -684,7 +689,7 @@ class Trainer:
         own = state["trainer"]
         self.step = int(own["step"])
         self.nonfinite_streak = int(own["nonfinite_streak"])
-        self.data.load_state_dict(state["data"])
+        self.data.load_state_dict(state["data"], accept_other_prompts=self._accepts_other_prompts())
         self.gold.load_state_dict(state["gold"])
         self.checkpointer.restore_best(self.gold.best)
         self._published = (0, None)
@@ -717,6 +722,18 @@ class Trainer:
         state = self.checkpointer.load(folder).state
         if self.config.resume_allow_changes:
             logger.warning("resume: accepted config changes in %s", list(self.config.resume_allow_changes))
+        try:
+            # the prompts first: a checkpoint of other prompts is refused before anything is loaded
+            self.data.check_state(state["data"], accept_other_prompts=self._accepts_other_prompts())
+        except ValueError as error:
+            raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
+        if state["data"].get("records_sha256", self.data.records_sha256) != self.data.records_sha256:
+            logger.warning(
+                "resume: %s was saved over other prompts (their SHA-256 differs); continuing on these at "
+                "its data position, as resume_allow_changes=%s accepts",
+                folder,
+                list(self.config.resume_allow_changes),
+            )
         try:
             self.load_state_dict(state)
         except LoraMismatchError as error:  # raised before anything is loaded
