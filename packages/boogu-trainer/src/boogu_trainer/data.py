@@ -219,9 +219,11 @@ class PromptSampler:
         nothing). Computed once (the records never change), recorded in `state_dict`."""
         digest = hashlib.sha256()
         for r in self.records:
-            for text in (r.instruction, r.negative, r.ground_truth, r.data_source, r.ability):
-                digest.update(text.encode("utf-8") + b"\0")
-            digest.update(b"-" if r.ref_image is None else hashlib.sha256(r.ref_image).digest())
+            image = b"" if r.ref_image is None else hashlib.sha256(r.ref_image).digest()
+            texts = (r.instruction, r.negative, r.ground_truth, r.data_source, r.ability)
+            for part in (*(t.encode("utf-8") for t in texts), image):
+                digest.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two splits collide
+                digest.update(part)
         return digest.hexdigest()
 
     def state_dict(self) -> dict[str, int | str]:
