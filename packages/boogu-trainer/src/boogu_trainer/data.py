@@ -214,16 +214,18 @@ class PromptSampler:
 
     @functools.cached_property
     def records_sha256(self) -> str:
-        """A SHA-256 of the prompts in their order: each one's instruction, negative, ground truth,
-        data source, ability and reference image bytes (not its split or row index, which train
-        nothing). Computed once (the records never change), recorded in `state_dict`."""
+        """A SHA-256 of the prompts in their order: each one's `prompt_key` (instruction, negative,
+        reference image) and what it is rewarded against (ground truth, data source, ability); not
+        its split or row index, which train nothing. Computed once (the records never change),
+        recorded in `state_dict`."""
+        from boogu_trainer.prompt_stats import prompt_key
+
         digest = hashlib.sha256()
         for r in self.records:
-            image = b"" if r.ref_image is None else hashlib.sha256(r.ref_image).digest()
-            texts = (r.instruction, r.negative, r.ground_truth, r.data_source, r.ability)
-            for part in (*(t.encode("utf-8") for t in texts), image):
-                digest.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two splits collide
-                digest.update(part)
+            for part in (prompt_key(r), r.ground_truth, r.data_source, r.ability):
+                encoded = part.encode("utf-8")
+                digest.update(len(encoded).to_bytes(8, "little"))  # length-prefixed: no two splits collide
+                digest.update(encoded)
         return digest.hexdigest()
 
     def state_dict(self) -> dict[str, int | str]:
@@ -235,11 +237,12 @@ class PromptSampler:
             "seed": self.seed,
         }
 
-    def check_state(self, state: dict[str, int | str], *, accept_other_prompts: bool = False) -> None:
+    def check_state(self, state: dict[str, int | str], *, accept_other_prompts: bool = False) -> bool:
         """Refuse a state saved over other prompts: another count always (the order would index
         other rows), the same count with other content or order (an edited ``data.train_files``, a
         ``data.prompt_stats`` file measured again) unless ``accept_other_prompts``. States written
-        before the digest existed are checked by their count only.
+        before the digest existed are checked by their count only. Returns whether the state's
+        prompts are other ones (accepted).
 
         Raises:
             ValueError: naming both counts, or both digests and the opt-in.
@@ -250,7 +253,8 @@ class PromptSampler:
                 "resuming would not continue the same data order"
             )
         saved = state.get("records_sha256")
-        if saved is not None and saved != self.records_sha256 and not accept_other_prompts:
+        other = saved is not None and saved != self.records_sha256
+        if other and not accept_other_prompts:
             raise ValueError(
                 f"the checkpoint's {state['num_records']} prompts are not these (records SHA-256 "
                 f"{str(saved)[:12]}... in the checkpoint, {self.records_sha256[:12]}... now: another "
@@ -258,6 +262,7 @@ class PromptSampler:
                 "would not continue the same data. Restore the prompts, or continue on these with "
                 "resume_allow_changes=[data.train_files]"
             )
+        return other
 
     def load_state_dict(self, state: dict[str, int | str], *, accept_other_prompts: bool = False) -> None:
         self.check_state(state, accept_other_prompts=accept_other_prompts)

@@ -724,10 +724,10 @@ class Trainer:
             logger.warning("resume: accepted config changes in %s", list(self.config.resume_allow_changes))
         try:
             # the prompts first: a checkpoint of other prompts is refused before anything is loaded
-            self.data.check_state(state["data"], accept_other_prompts=self._accepts_other_prompts())
+            other = self.data.check_state(state["data"], accept_other_prompts=self._accepts_other_prompts())
         except ValueError as error:
             raise ckpt.CheckpointError(f"resume={spec} ({folder}): {error}") from None
-        if state["data"].get("records_sha256", self.data.records_sha256) != self.data.records_sha256:
+        if other:
             logger.warning(
                 "resume: %s was saved over other prompts (their SHA-256 differs); continuing on these at "
                 "its data position, as resume_allow_changes=%s accepts",
