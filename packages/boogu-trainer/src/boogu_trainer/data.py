@@ -178,6 +178,21 @@ def check_prompt_lengths(
     )
 
 
+def prompt_key(record: PromptRecord) -> str:
+    """The identity of a prompt as a rollout sees it: SHA-256 of its instruction, negative prompt and
+    reference image bytes (hex, 24 characters). The key of the prompt statistics
+    (`boogu_trainer.prompt_stats`, which re-exports it) and a part of `PromptSampler.records_sha256`."""
+    digest = hashlib.sha256()
+    for part in (
+        record.instruction.encode("utf-8"),
+        record.negative.encode("utf-8"),
+        record.ref_image or b"",
+    ):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()[:24]
+
+
 class PromptSampler:
     """Batches of prompts, reshuffled each epoch from ``seed + epoch``; resumable from ``state_dict``.
 
@@ -218,8 +233,6 @@ class PromptSampler:
         reference image) and what it is rewarded against (ground truth, data source, ability); not
         its split or row index, which train nothing. Computed once (the records never change),
         recorded in `state_dict`."""
-        from boogu_trainer.prompt_stats import prompt_key
-
         digest = hashlib.sha256()
         for r in self.records:
             for part in (prompt_key(r), r.ground_truth, r.data_source, r.ability):

@@ -18,7 +18,6 @@ weights summed), ``model`` and ``sampler`` (what measured it), and ``prompts``: 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from boogu_data import PromptRecord
 from boogu_data.atomic import atomic_write_text
 from boogu_schedule import derive_seed
+from boogu_trainer.data import prompt_key
 
 if TYPE_CHECKING:
     from boogu_adapters.engines import RolloutEngine
@@ -53,20 +53,6 @@ class StatsTarget(Protocol):
 
 FORMAT = "boogu-prompt-stats/1"
 """The ``format`` of a prompt statistics file (a reader refuses any other)."""
-
-
-def prompt_key(record: PromptRecord) -> str:
-    """The identity of a prompt as a rollout sees it: SHA-256 of its instruction, negative prompt and
-    reference image bytes (hex, 24 characters)."""
-    digest = hashlib.sha256()
-    for part in (
-        record.instruction.encode("utf-8"),
-        record.negative.encode("utf-8"),
-        record.ref_image or b"",
-    ):
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
-    return digest.hexdigest()[:24]
 
 
 def measure_prompt_stats(
